@@ -1,0 +1,95 @@
+"""The small interface every copy backend implements, and the cancel token they honour.
+
+A backend creates the host pool and imports a runner's device cache; the imported
+DeviceCache moves blocks in either direction. ``swap`` is a coroutine so the daemon's event
+loop can await it; implementations do the byte moving off the loop (threads, CUDA streams).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any
+
+from ..host_cache import HostGeometry, HostPool
+from ..protocol import ErrorCode, KVLayout, ProtocolError
+
+
+class Direction(str, Enum):
+    D2H = "d2h"  # swap out: device -> host
+    H2D = "h2d"  # swap in: host -> device
+
+
+class CancelToken:
+    """Set from the loop thread, polled by copy workers between runs (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.code = ErrorCode.OK
+        self.detail = ""
+
+    def cancel(self, code: ErrorCode, detail: str) -> None:
+        if not self._event.is_set():
+            self.code, self.detail = code, detail
+            self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def check(self) -> None:
+        if self._event.is_set():
+            raise ProtocolError(self.code, self.detail)
+
+
+class AttachError(Exception):
+    """Device handles that cannot be imported; becomes ATTACH_FAILED or BAD_FIELD."""
+
+    def __init__(self, detail: str, code: ErrorCode = ErrorCode.ATTACH_FAILED) -> None:
+        super().__init__(detail)
+        self.code = code
+
+
+class DeviceCache(ABC):
+    """A runner's KV cache as imported into the daemon."""
+
+    layout: KVLayout
+
+    @abstractmethod
+    async def swap(
+        self, direction: Direction, device_ids: Sequence[int], host_ids: Sequence[int], cancel: CancelToken
+    ) -> int:
+        """Copies block pairs in ``direction``; returns bytes moved. Ids are validated already."""
+
+    @property
+    @abstractmethod
+    def mappings(self) -> int:
+        """Imported memory mappings currently open (0 after close)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Releases every import. Called only when no swap is running."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"layout": self.layout.to_wire(), "mappings": self.mappings}
+
+
+class Backend(ABC):
+    name: str
+
+    @abstractmethod
+    def create_host_pool(self, capacity: int) -> HostPool: ...
+
+    @abstractmethod
+    def import_device_cache(
+        self, layout: KVLayout, device: dict[str, Any], pool: HostPool, geometry: HostGeometry
+    ) -> DeviceCache:
+        """Blocking (the daemon runs it in an executor). Raises AttachError."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+    def close(self) -> None:
+        """Releases backend resources (worker threads, streams)."""

@@ -1,0 +1,204 @@
+"""The cpu backend: the runner's KV cache lives in POSIX shared memory.
+
+Attach handles (``device`` map of the attach command)::
+
+    {"kind": "shm", "name": "<name in /dev/shm>", "offsets": [byte offset of each tensor]}
+
+Each tensor is ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous at its offset.
+
+Copies are torch ``copy_`` calls on strided uint8 views, which release the GIL:
+- tensors evenly spaced in the segment form one *group*, viewed as ``[num_blocks, g, chunk]``,
+  so one copy moves a block (or a run of consecutive blocks) of every tensor in the group;
+- consecutive ids are coalesced into runs (one copy per run and group);
+- single blocks are batched into ``torch._foreach_copy_`` to avoid per-call Python cost;
+- the runs are cut into shards that run on ``copy_threads`` workers per direction, and
+  device->host and host->device have separate workers, so both directions run at once.
+torch's own intra-op threads are set to 1 in the daemon: the workers are the parallelism.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..host_cache import HostGeometry, HostPool
+from ..protocol import ErrorCode, KVLayout
+from .base import AttachError, Backend, CancelToken, DeviceCache, Direction
+from .plan import Run, coalesce, shard
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+SHM_DIR = "/dev/shm"
+_SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+_FOREACH_BATCH = 512  # single-block copies per _foreach_copy_ call (bounds cancel latency)
+
+
+@dataclass(frozen=True)
+class TensorGroup:
+    """Tensors ``first .. first+count-1`` seen as one strided view of the segment."""
+
+    first: int
+    count: int
+    device: torch.Tensor  # [num_blocks, count, chunk] uint8 view into the shared segment
+    host: torch.Tensor  # [host_blocks, count, chunk] uint8 view into the host pool
+
+
+def group_offsets(offsets: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first tensor, count, stride) for maximal runs of evenly spaced offsets."""
+    groups: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(offsets):
+        count, stride = 1, 0
+        if i + 1 < len(offsets) and offsets[i + 1] > offsets[i]:
+            stride = offsets[i + 1] - offsets[i]
+            while i + count < len(offsets) and offsets[i + count] - offsets[i + count - 1] == stride:
+                count += 1
+        groups.append((i, count, stride))
+        i += count
+    return groups
+
+
+def validate_offsets(offsets: Any, layout: KVLayout, segment_bytes: int) -> list[int]:
+    if type(offsets) is not list or len(offsets) != layout.num_tensors:
+        raise AttachError(f"device.offsets must list {layout.num_tensors} byte offsets", ErrorCode.BAD_FIELD)
+    if not all(type(o) is int and o >= 0 for o in offsets):
+        raise AttachError("device.offsets must be non-negative ints", ErrorCode.BAD_FIELD)
+    ordered = sorted(offsets)
+    for a, b in zip(ordered, ordered[1:]):
+        if b - a < layout.tensor_bytes:
+            raise AttachError(f"device tensors at offsets {a} and {b} overlap", ErrorCode.BAD_FIELD)
+    if ordered[-1] + layout.tensor_bytes > segment_bytes:
+        raise AttachError(
+            f"tensor at offset {ordered[-1]} needs {layout.tensor_bytes} bytes; segment has {segment_bytes}",
+            ErrorCode.LAYOUT_MISMATCH,
+        )
+    return offsets
+
+
+def open_segment(name: Any) -> tuple[torch.UntypedStorage, int]:
+    """Maps /dev/shm/<name> shared; refuses to create or grow it."""
+    if type(name) is not str or not _SHM_NAME.match(name):
+        raise AttachError("device.name must be 1-200 chars of [A-Za-z0-9._-]", ErrorCode.BAD_FIELD)
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise AttachError(f"cannot open shared memory {name!r}: {exc.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            raise AttachError(f"shared memory {name!r} is empty")
+        # Map through our fd so a name swapped after the open cannot redirect the mapping.
+        storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=size)
+    finally:
+        os.close(fd)
+    return storage, size
+
+
+class CpuDeviceCache(DeviceCache):
+    def __init__(self, backend: CpuBackend, layout: KVLayout, device: dict[str, Any], host: torch.Tensor) -> None:
+        if device.get("kind") != "shm":
+            raise AttachError("cpu backend needs device.kind = 'shm'", ErrorCode.BAD_FIELD)
+        storage, size = open_segment(device.get("name"))
+        self.layout = layout
+        self.segment = str(device["name"])
+        offsets = validate_offsets(device.get("offsets"), layout, size)
+        self._backend = backend
+        self._storage: torch.UntypedStorage | None = storage
+        self.groups = self._make_groups(storage, offsets, host)
+
+    def _make_groups(self, storage: torch.UntypedStorage, offsets: list[int], host: torch.Tensor) -> list[TensorGroup]:
+        base = torch.empty(0, dtype=torch.uint8).set_(storage)
+        nb, chunk = self.layout.num_blocks, self.layout.chunk_bytes
+        groups = []
+        for first, count, stride in group_offsets(offsets):
+            device = torch.as_strided(base, (nb, count, chunk), (chunk, stride or 1, 1), offsets[first])
+            groups.append(TensorGroup(first, count, device, host[:, first : first + count]))
+        return groups
+
+    @property
+    def mappings(self) -> int:
+        return 0 if self._storage is None else 1
+
+    async def swap(
+        self, direction: Direction, device_ids: Sequence[int], host_ids: Sequence[int], cancel: CancelToken
+    ) -> int:
+        pool = self._backend.pools[direction]
+        shards = shard(coalesce(device_ids, host_ids), self._backend.copy_threads)
+        futures = [asyncio.wrap_future(pool.submit(self._copy_shard, direction, s, cancel)) for s in shards]
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return len(device_ids) * self.layout.host_block_bytes
+
+    def _copy_shard(self, direction: Direction, runs: list[Run], cancel: CancelToken) -> None:
+        """Runs on a worker thread; torch releases the GIL inside each copy."""
+        to_host = direction is Direction.D2H
+        for group in self.groups:
+            src_view, dst_view = (group.device, group.host) if to_host else (group.host, group.device)
+            singles_src: list[torch.Tensor] = []
+            singles_dst: list[torch.Tensor] = []
+            for run in runs:
+                s, d = (run.device, run.host) if to_host else (run.host, run.device)
+                if run.length == 1:
+                    singles_src.append(src_view[s])
+                    singles_dst.append(dst_view[d])
+                    if len(singles_src) == _FOREACH_BATCH:
+                        cancel.check()
+                        torch._foreach_copy_(singles_dst, singles_src)
+                        singles_src, singles_dst = [], []
+                else:
+                    cancel.check()
+                    dst_view[d : d + run.length].copy_(src_view[s : s + run.length])
+            if singles_src:
+                cancel.check()
+                torch._foreach_copy_(singles_dst, singles_src)
+
+    def close(self) -> None:
+        # Dropping the last views unmaps the segment (torch owns the mapping).
+        self.groups = []
+        self._storage = None
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "segment": self.segment, "groups": len(self.groups)}
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, copy_threads: int = 2) -> None:
+        # The workers are the parallelism; torch's own pool would fork per small copy.
+        torch.set_num_threads(1)
+        self.copy_threads = copy_threads
+        self.pools = {
+            direction: ThreadPoolExecutor(copy_threads, thread_name_prefix=f"cx-{direction.value}")
+            for direction in Direction
+        }
+
+    def create_host_pool(self, capacity: int) -> HostPool:
+        return HostPool(capacity)
+
+    def import_device_cache(
+        self, layout: KVLayout, device: dict[str, Any], pool: HostPool, geometry: HostGeometry
+    ) -> DeviceCache:
+        return CpuDeviceCache(self, layout, device, pool.blocks(geometry, layout.num_tensors))
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "copy_threads": self.copy_threads}
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.shutdown(wait=True)
+
+
+def create(config: Config) -> CpuBackend:
+    return CpuBackend(config.host_cache.copy_threads)

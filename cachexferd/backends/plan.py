@@ -1,0 +1,78 @@
+"""Copy planning shared by every backend: coalescing ids into runs and sharding runs.
+
+Pure Python (no torch) so it is cheap to import and easy to test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Run:
+    """``length`` consecutive device blocks from ``device`` paired with consecutive host blocks from ``host``."""
+
+    device: int
+    host: int
+    length: int
+
+
+def coalesce(device_ids: Sequence[int], host_ids: Sequence[int]) -> list[Run]:
+    """Pairs ids into maximal runs where both sides advance by one, keeping the given order."""
+    runs: list[Run] = []
+    if not device_ids:
+        return runs
+    start_d, start_h, length = device_ids[0], host_ids[0], 1
+    for d, h in zip(device_ids[1:], host_ids[1:]):
+        if d == start_d + length and h == start_h + length:
+            length += 1
+            continue
+        runs.append(Run(start_d, start_h, length))
+        start_d, start_h, length = d, h, 1
+    runs.append(Run(start_d, start_h, length))
+    return runs
+
+
+def shard(runs: Sequence[Run], parts: int) -> list[list[Run]]:
+    """Splits runs into at most ``parts`` lists of nearly equal block counts.
+
+    Long runs are cut so one huge run still spreads over all workers. Shards never share
+    a block, so they can run on different threads without coordination.
+    """
+    total = sum(run.length for run in runs)
+    if total == 0:
+        return []
+    parts = max(1, min(parts, total))
+    target = -(-total // parts)  # ceil
+    shards: list[list[Run]] = [[]]
+    room = target
+    for run in runs:
+        d, h, left = run.device, run.host, run.length
+        while left:
+            if room == 0:
+                shards.append([])
+                room = target
+            take = min(left, room)
+            shards[-1].append(Run(d, h, take))
+            d, h, left, room = d + take, h + take, left - take, room - take
+    return shards
+
+
+def check_ids(ids: Sequence[int], limit: int, name: str) -> str | None:
+    """Returns a reason when some id is not in [0, limit), else None."""
+    if ids and (min(ids) < 0 or max(ids) >= limit):
+        bad = next(i for i in ids if not 0 <= i < limit)
+        return f"{name} holds {bad}, outside [0, {limit})"
+    return None
+
+
+def first_duplicate(ids: Sequence[int]) -> int | None:
+    if len(set(ids)) == len(ids):
+        return None
+    seen: set[int] = set()
+    for i in ids:
+        if i in seen:
+            return i
+        seen.add(i)
+    return None  # unreachable

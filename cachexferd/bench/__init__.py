@@ -1,0 +1,1 @@
+"""Benchmarks: ``cachexferd bench swap`` (and ``bench storage``)."""

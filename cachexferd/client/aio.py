@@ -1,0 +1,168 @@
+"""asyncio engine client: ``await client.swap_out(...)`` returns the aggregated Completion.
+
+One pump task reads the event socket and every DEALER, resolves futures by req_id, sends
+heartbeats and expires deadlines. No task or thread per message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from ..protocol import Command, ErrorCode, MsgType, Outcome, ProtocolError, Shutdown, Status, decode_outcome, encode_command
+from .core import EngineCore, Fields
+from .engine import default_events_endpoint
+from .link import SOCKET_OPTIONS, ClientError, check_ok
+from .pending import Completion
+
+_PUMP_TICK_S = 0.05
+
+
+class AsyncEngineClient:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        events: str | None = None,
+        name: str = "engine",
+        timeout_s: float = 30.0,
+        heartbeat_s: float = 1.0,
+    ) -> None:
+        self._tmpdir: Path | None = None
+        if events is None:
+            events, self._tmpdir = default_events_endpoint()
+        self.ctx = zmq.asyncio.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.setsockopt(zmq.RCVHWM, 0)
+        self.pull.bind(events)
+        self.dealers = []
+        for endpoint in endpoints:
+            sock = self.ctx.socket(zmq.DEALER)
+            for option, value in SOCKET_OPTIONS.items():
+                sock.setsockopt(option, value)
+            sock.connect(endpoint)
+            self.dealers.append(sock)
+        self.endpoints = list(endpoints)
+        self.core = EngineCore(len(endpoints), name, events, timeout_s, heartbeat_s)
+        self._futures: dict[int, asyncio.Future[Completion]] = {}
+        self._calls: dict[int, asyncio.Future[Outcome]] = {}
+        self._pump: asyncio.Task[None] | None = None
+
+    async def connect(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+        if self._pump is None:
+            self._pump = asyncio.get_running_loop().create_task(self._run_pump())
+        outcomes = [await self._call(i, self.core.hello(), timeout_s) for i in range(len(self.dealers))]
+        for outcome in outcomes:
+            check_ok(outcome)
+        self.core.accept_hellos(outcomes)
+        return [o.result for o in outcomes]
+
+    # Commands ------------------------------------------------------------------------
+
+    def submit(self, op: MsgType, fields: Fields, timeout_s: float | None = None) -> asyncio.Future[Completion]:
+        req_id, cmds = self.core.build(op, fields, timeout_s)
+        future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+        self._futures[req_id] = future
+        for index, cmd in enumerate(cmds):
+            try:
+                self.dealers[index].send_multipart(encode_command(cmd), flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                self._resolve(self.core.send_failed(index, req_id, str(exc)))
+        return future
+
+    async def swap_out(self, device_ids: Sequence[int], host_ids: Sequence[int], timeout_s: float | None = None) -> Completion:
+        return await self.submit(MsgType.SWAP_OUT, {"device_ids": list(device_ids), "host_ids": list(host_ids)}, timeout_s)
+
+    async def swap_in(self, device_ids: Sequence[int], host_ids: Sequence[int], timeout_s: float | None = None) -> Completion:
+        return await self.submit(MsgType.SWAP_IN, {"device_ids": list(device_ids), "host_ids": list(host_ids)}, timeout_s)
+
+    async def clear_host(self, timeout_s: float | None = None) -> Completion:
+        return await self.submit(MsgType.CLEAR_HOST, {}, timeout_s)
+
+    async def status(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+        return [check_ok(await self._call(i, Status(req_id=self.core.next_req_id()), timeout_s)) for i in range(len(self.dealers))]
+
+    async def shutdown_daemons(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+        return [check_ok(await self._call(i, Shutdown(req_id=self.core.next_req_id()), timeout_s)) for i in range(len(self.dealers))]
+
+    async def _call(self, index: int, cmd: Command, timeout_s: float) -> Outcome:
+        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self._calls[cmd.req_id] = future
+        try:
+            await self.dealers[index].send_multipart(encode_command(cmd))
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise ClientError(ErrorCode.CLIENT_TIMEOUT, f"no reply to {cmd.TYPE.name} from {self.endpoints[index]} in {timeout_s}s") from None
+        finally:
+            self._calls.pop(cmd.req_id, None)
+
+    # The pump ------------------------------------------------------------------------
+
+    async def _run_pump(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self.pull, zmq.POLLIN)
+        for sock in self.dealers:
+            poller.register(sock, zmq.POLLIN)
+        while True:
+            await poller.poll(int(_PUMP_TICK_S * 1000))
+            self._drain_socket(self.pull, None)
+            for index, sock in enumerate(self.dealers):
+                self._drain_socket(sock, index)
+            for index, cmd in self.core.heartbeat(time.monotonic()):
+                self._send_control(index, cmd)
+            self._resolve(self.core.expire())
+
+    def _drain_socket(self, sock: zmq.asyncio.Socket, index: int | None) -> None:
+        while True:
+            try:
+                frames = sock._shadow_sock.recv_multipart(flags=zmq.NOBLOCK)  # the pump owns reads
+            except zmq.Again:
+                return
+            try:
+                _, outcome = decode_outcome(frames)
+            except ProtocolError:
+                continue
+            call = self._calls.get(outcome.req_id)
+            if call is not None and index is not None and not call.done():
+                call.set_result(outcome)
+                if outcome.op != MsgType.HELLO:
+                    continue
+            done, resend = self.core.on_outcome(outcome, index)
+            self._resolve(done)
+            for i, cmd in resend:
+                self._send_control(i, cmd)
+
+    def _send_control(self, index: int, cmd: Command) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.dealers[index]._shadow_sock.send_multipart(encode_command(cmd), flags=zmq.NOBLOCK)
+
+    def _resolve(self, completions: list[Completion]) -> None:
+        for completion in completions:
+            future = self._futures.pop(completion.req_id, None)
+            if future is not None and not future.done():
+                future.set_result(completion)
+
+    async def close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            await asyncio.gather(self._pump, return_exceptions=True)
+        for sock in (*self.dealers, self.pull):
+            sock.close(0)
+        self.ctx.term()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    async def __aenter__(self) -> AsyncEngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,234 @@
+"""Synchronous engine client: fan out to every TP rank, drain completions at step boundaries.
+
+No thread is started. The scheduler calls ``poll()`` once per step (or when ``fileno()``
+turns readable): it drains every event and reply available, sends heartbeats, expires
+deadlines, and returns the commands that completed, each aggregated over all ranks::
+
+    client = EngineClient(["ipc:///run/cachexferd/0/cmd.sock", "ipc:///run/cachexferd/1/cmd.sock"])
+    client.connect()
+    req = client.swap_out(device_ids=[3, 4, 9], host_ids=[100, 101, 102])
+    ...
+    for done in client.poll():
+        if not done.ok:
+            print(done.describe())
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from ..protocol import Command, ErrorCode, MsgType, Outcome, ProtocolError, Shutdown, Status, decode_outcome
+from .core import EngineCore, Fields
+from .link import ClientError, Link, check_ok
+from .pending import Completion
+
+
+def default_events_endpoint() -> tuple[str, Path]:
+    """An ipc endpoint in a private temp dir (removed on close)."""
+    directory = Path(tempfile.mkdtemp(prefix="cachexferd-engine-"))
+    return f"ipc://{directory / 'events.sock'}", directory
+
+
+class EngineClient:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        events: str | None = None,
+        name: str = "engine",
+        timeout_s: float = 30.0,
+        heartbeat_s: float = 1.0,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("EngineClient needs at least one daemon endpoint")
+        self._tmpdir: Path | None = None
+        if events is None:
+            events, self._tmpdir = default_events_endpoint()
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.setsockopt(zmq.RCVHWM, 0)  # never drop events on our side
+        self.pull.bind(events)
+        self.links = [Link(self.ctx, endpoint, i) for i, endpoint in enumerate(endpoints)]
+        self.core = EngineCore(len(self.links), name, events, timeout_s, heartbeat_s)
+        self._ready: list[Completion] = []  # finished while we were waiting for something else
+        self._poller = zmq.Poller()
+        self._poller.register(self.pull, zmq.POLLIN)
+        for link in self.links:
+            self._poller.register(link.sock, zmq.POLLIN)
+
+    # Set-up ---------------------------------------------------------------------------
+
+    def connect(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+        """Says hello to every rank; returns their hello results."""
+        outcomes = [check_ok_outcome(link.call(self.core.hello(), timeout_s, self._on_reply(link))) for link in self.links]
+        self.core.accept_hellos(outcomes)
+        for link, outcome in zip(self.links, outcomes):
+            link.remember_hello(outcome)
+        return [o.result for o in outcomes]
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.core.rank_of)
+
+    # Asynchronous commands ------------------------------------------------------------
+
+    def submit(self, op: MsgType, fields: Fields, timeout_s: float | None = None) -> int:
+        """Sends ``op`` to every rank; returns its req_id. The outcome arrives via poll()."""
+        req_id, cmds = self.core.build(op, fields, timeout_s)
+        for link, cmd in zip(self.links, cmds):
+            try:
+                link.send(cmd)
+            except ClientError as exc:
+                self._ready += self.core.send_failed(link.index, req_id, exc.detail)
+        return req_id
+
+    def swap_out(self, device_ids: Sequence[int], host_ids: Sequence[int], timeout_s: float | None = None) -> int:
+        return self.submit(MsgType.SWAP_OUT, {"device_ids": list(device_ids), "host_ids": list(host_ids)}, timeout_s)
+
+    def swap_in(self, device_ids: Sequence[int], host_ids: Sequence[int], timeout_s: float | None = None) -> int:
+        return self.submit(MsgType.SWAP_IN, {"device_ids": list(device_ids), "host_ids": list(host_ids)}, timeout_s)
+
+    def clear_host(self, timeout_s: float | None = None) -> int:
+        return self.submit(MsgType.CLEAR_HOST, {}, timeout_s)
+
+    def store(self, keys: Fields | Sequence[str], host_ids: Sequence[int], device_ids: Sequence[int] | None = None,
+              timeout_s: float | None = None) -> int:  # fmt: skip
+        return self.submit(MsgType.STORE, _storage_fields(keys, host_ids, device_ids), timeout_s)
+
+    def load(self, keys: Fields | Sequence[str], host_ids: Sequence[int], device_ids: Sequence[int] | None = None,
+             timeout_s: float | None = None) -> int:  # fmt: skip
+        return self.submit(MsgType.LOAD, _storage_fields(keys, host_ids, device_ids), timeout_s)
+
+    def lookup(self, keys: Fields | Sequence[str], timeout_s: float | None = None) -> int:
+        return self.submit(MsgType.LOOKUP, _keys_only(keys), timeout_s)
+
+    def delete(self, keys: Fields | Sequence[str], timeout_s: float | None = None) -> int:
+        return self.submit(MsgType.DELETE, _keys_only(keys), timeout_s)
+
+    # Completion intake ----------------------------------------------------------------
+
+    def fileno(self) -> int:
+        """The event socket's fd for selectors. Edge-triggered: call poll() until it returns []."""
+        return int(self.pull.getsockopt(zmq.FD))
+
+    def poll(self, timeout_ms: int = 0) -> list[Completion]:
+        """Drains everything available and returns finished commands; never blocks past timeout_ms."""
+        done = self._drain()
+        if done or timeout_ms <= 0:
+            return done
+        deadline = self.core.pending.next_deadline()
+        if deadline is not None:
+            timeout_ms = min(timeout_ms, max(1, int((deadline - time.monotonic()) * 1000) + 1))
+        self._poller.poll(timeout_ms)
+        return self._drain()
+
+    def wait(self, req_ids: Iterable[int], timeout_s: float = 60.0) -> dict[int, Completion]:
+        """Blocks until every req_id completed (or ``timeout_s`` passes: ClientError)."""
+        wanted = set(req_ids)
+        got: dict[int, Completion] = {}
+        deadline = time.monotonic() + timeout_s
+        while wanted - got.keys():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(wanted - got.keys())
+                raise ClientError(ErrorCode.CLIENT_TIMEOUT, f"{len(missing)} commands still pending after {timeout_s}s: {missing[:8]}")
+            for completion in self.poll(timeout_ms=max(1, int(min(left, 0.05) * 1000))):
+                if completion.req_id in wanted:
+                    got[completion.req_id] = completion
+                else:
+                    self._ready.append(completion)
+        return got
+
+    def _drain(self) -> list[Completion]:
+        done, self._ready = self._ready, []
+        while True:
+            try:
+                frames = self.pull.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                _, outcome = decode_outcome(frames)
+            except ProtocolError:
+                continue
+            done += self._file(outcome, None)
+        for link in self.links:
+            while (outcome := link.recv_nowait()) is not None:
+                done += self._file(outcome, link.index)
+        for index, cmd in self.core.heartbeat():
+            self._send_control(index, cmd)
+        done += self.core.expire()
+        return done
+
+    def _file(self, outcome: Outcome, index: int | None) -> list[Completion]:
+        done, resend = self.core.on_outcome(outcome, index)
+        for i, cmd in resend:
+            self._send_control(i, cmd)
+        return done
+
+    def _send_control(self, index: int, cmd: Command) -> None:
+        try:
+            self.links[index].send(cmd)
+        except ClientError:
+            pass  # the next heartbeat tries again
+
+    def _on_reply(self, link: Link) -> Any:
+        def on_other(outcome: Outcome) -> None:
+            self._ready += self._file(outcome, link.index)
+
+        return on_other
+
+    # Synchronous calls to every rank ---------------------------------------------------
+
+    def call_all(self, cmd_type: type[Command], timeout_s: float = 10.0, **fields: Any) -> list[dict[str, Any]]:
+        results = []
+        for link in self.links:
+            cmd = cmd_type(req_id=self.core.next_req_id(), **fields)
+            results.append(check_ok(link.call(cmd, timeout_s, self._on_reply(link))))
+        return results
+
+    def status(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+        return self.call_all(Status, timeout_s)
+
+    def shutdown_daemons(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+        return self.call_all(Shutdown, timeout_s)
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()
+        self.pull.close(0)
+        self.ctx.term()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_ok_outcome(outcome: Outcome) -> Outcome:
+    check_ok(outcome)
+    return outcome
+
+
+def _keys_only(keys: Fields | Sequence[str]) -> Fields:
+    if callable(keys):
+        return keys
+    return {"keys": list(keys)}
+
+
+def _storage_fields(keys: Fields | Sequence[str], host_ids: Sequence[int], device_ids: Sequence[int] | None) -> Fields:
+    base = {"host_ids": list(host_ids), "device_ids": None if device_ids is None else list(device_ids)}
+    if callable(keys):
+        per_rank = keys
+        return lambda rank: {**per_rank(rank), **base}
+    return {"keys": list(keys), **base}

@@ -1,0 +1,110 @@
+"""A DEALER connected to one daemon: sends commands, reads replies. No torch, no threads."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from ..protocol import Command, ErrorCode, MsgType, Outcome, ProtocolError, decode_outcome, encode_command
+
+log = logging.getLogger(__name__)
+
+# Fast reconnects (LMCache's ~127 s stall came from default exponential backoff) and
+# ZMTP heartbeats so a dead tcp peer is noticed.
+SOCKET_OPTIONS = {
+    zmq.LINGER: 0,
+    zmq.RECONNECT_IVL: 100,
+    zmq.RECONNECT_IVL_MAX: 1000,
+    zmq.CONNECT_TIMEOUT: 2000,
+    zmq.HEARTBEAT_IVL: 1000,
+    zmq.HEARTBEAT_TIMEOUT: 3000,
+    zmq.SNDHWM: 100_000,
+    zmq.RCVHWM: 100_000,
+}
+
+
+class ClientError(RuntimeError):
+    """A call that did not get an ok outcome; ``code`` is an ErrorCode value."""
+
+    def __init__(self, code: int, detail: str, rank: int | None = None) -> None:
+        where = f"rank {rank}: " if rank is not None else ""
+        try:
+            name = ErrorCode(code).name
+        except ValueError:
+            name = f"code {code}"
+        super().__init__(f"{where}{name}: {detail}")
+        self.code, self.detail, self.rank = code, detail, rank
+
+
+def make_dealer(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
+    sock = ctx.socket(zmq.DEALER)
+    for option, value in SOCKET_OPTIONS.items():
+        sock.setsockopt(option, value)
+    sock.connect(endpoint)
+    return sock
+
+
+class Link:
+    """Commands to one daemon over a DEALER; ``index`` is the position in the client's list."""
+
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str, index: int = 0) -> None:
+        self.endpoint = endpoint
+        self.index = index
+        self.sock = make_dealer(ctx, endpoint)
+        self.boot_id: str | None = None
+        self.rank: int | None = None
+        self.info: dict[str, Any] = {}
+
+    def send(self, cmd: Command) -> None:
+        try:
+            self.sock.send_multipart(encode_command(cmd), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise ClientError(ErrorCode.SEND_FAILED, f"send to {self.endpoint} failed: {exc}") from None
+
+    def recv_nowait(self) -> Outcome | None:
+        """One decoded reply, or None when nothing is waiting. Garbage is logged and skipped."""
+        while True:
+            try:
+                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            try:
+                return decode_outcome(frames)[1]
+            except ProtocolError as exc:
+                log.warning("undecodable reply from %s: %s", self.endpoint, exc)
+
+    def call(self, cmd: Command, timeout_s: float, on_other: Callable[[Outcome], None] | None = None) -> Outcome:
+        """Sends and waits for the reply to ``cmd``; other replies go to ``on_other``."""
+        self.send(cmd)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                raise ClientError(ErrorCode.CLIENT_TIMEOUT, f"no reply to {cmd.TYPE.name} from {self.endpoint} in {timeout_s}s")
+            outcome = self.recv_nowait()
+            if outcome is None:
+                continue
+            if outcome.req_id == cmd.req_id and outcome.op in (cmd.TYPE, 0):
+                return outcome
+            if on_other is not None:
+                on_other(outcome)
+
+    def remember_hello(self, outcome: Outcome) -> None:
+        self.boot_id, self.rank, self.info = outcome.boot_id, outcome.rank, outcome.result
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def check_ok(outcome: Outcome) -> dict[str, Any]:
+    if not outcome.ok:
+        raise ClientError(outcome.code, outcome.detail, outcome.rank)
+    return outcome.result
+
+
+def op_name(op: int) -> str:
+    return MsgType(op).name.lower() if op in MsgType._value2member_map_ else str(op)

@@ -1,0 +1,121 @@
+"""Aggregation of per-rank outcomes into one Completion per command (pure logic).
+
+A command fanned out to every tensor-parallel rank is done when every rank has reported;
+it succeeded when all of them report ok. A rank that misses the deadline, or whose daemon
+restarted (new boot id), is recorded as a client-side error for that rank.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..protocol import ErrorCode, MsgType, Outcome
+
+
+@dataclass
+class Completion:
+    req_id: int
+    op: MsgType
+    outcomes: dict[int, Outcome] = field(default_factory=dict)  # by rank
+    submitted: float = 0.0
+    finished: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(o.ok for o in self.outcomes.values())
+
+    @property
+    def errors(self) -> dict[int, tuple[str, str]]:
+        """rank -> (error name, detail) for every rank that failed."""
+        return {rank: (o.error, o.detail) for rank, o in self.outcomes.items() if not o.ok}
+
+    @property
+    def latency_s(self) -> float:
+        return self.finished - self.submitted
+
+    def result(self, rank: int | None = None) -> dict[str, Any]:
+        """The result map of ``rank`` (default: the lowest rank)."""
+        return self.outcomes[min(self.outcomes) if rank is None else rank].result
+
+    def min_result(self, key: str) -> int:
+        """Smallest value of an integer result across ranks (e.g. a load's delivered prefix)."""
+        return min(int(o.result.get(key, 0)) for o in self.outcomes.values())
+
+    def describe(self) -> str:
+        if self.ok:
+            return f"{self.op.name.lower()} #{self.req_id} ok"
+        parts = ", ".join(f"rank {r}: {name} ({detail})" for r, (name, detail) in sorted(self.errors.items()))
+        return f"{self.op.name.lower()} #{self.req_id} failed: {parts}"
+
+
+@dataclass
+class _Pending:
+    completion: Completion
+    deadline: float
+    waiting: set[int]  # ranks that have not reported
+
+
+class PendingTable:
+    def __init__(self, ranks: list[int]) -> None:
+        self.ranks = ranks
+        self._pending: dict[int, _Pending] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def __contains__(self, req_id: int) -> bool:
+        return req_id in self._pending
+
+    def add(self, req_id: int, op: MsgType, timeout_s: float, ranks: list[int] | None = None) -> None:
+        now = time.monotonic()
+        completion = Completion(req_id, op, submitted=now)
+        self._pending[req_id] = _Pending(completion, now + timeout_s, set(self.ranks if ranks is None else ranks))
+
+    def record(self, outcome: Outcome) -> Completion | None:
+        """Files one rank's outcome; returns the Completion when it was the last one."""
+        entry = self._pending.get(outcome.req_id)
+        if entry is None or outcome.rank not in entry.waiting:
+            return None  # late (after a timeout) or duplicate
+        entry.waiting.discard(outcome.rank)
+        entry.completion.outcomes[outcome.rank] = outcome
+        return self._finish_if_done(outcome.req_id, entry)
+
+    def fail_rank(self, rank: int, code: ErrorCode, detail: str, boot_id: str = "") -> list[Completion]:
+        done = []
+        for req_id, entry in list(self._pending.items()):
+            if rank in entry.waiting:
+                self._fail(entry, rank, code, detail, boot_id)
+                finished = self._finish_if_done(req_id, entry)
+                if finished is not None:
+                    done.append(finished)
+        return done
+
+    def expire(self, now: float | None = None) -> list[Completion]:
+        now = time.monotonic() if now is None else now
+        done = []
+        for req_id, entry in list(self._pending.items()):
+            if now >= entry.deadline:
+                for rank in list(entry.waiting):
+                    self._fail(entry, rank, ErrorCode.CLIENT_TIMEOUT, "no outcome before the client's deadline")
+                finished = self._finish_if_done(req_id, entry)
+                if finished is not None:
+                    done.append(finished)
+        return done
+
+    def next_deadline(self) -> float | None:
+        return min((e.deadline for e in self._pending.values()), default=None)
+
+    @staticmethod
+    def _fail(entry: _Pending, rank: int, code: ErrorCode, detail: str, boot_id: str = "") -> None:
+        entry.waiting.discard(rank)
+        c = entry.completion
+        c.outcomes[rank] = Outcome(c.req_id, boot_id, rank, int(code), detail, {}, int(c.op))
+
+    def _finish_if_done(self, req_id: int, entry: _Pending) -> Completion | None:
+        if entry.waiting:
+            return None
+        del self._pending[req_id]
+        entry.completion.finished = time.monotonic()
+        return entry.completion

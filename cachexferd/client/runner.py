@@ -1,0 +1,161 @@
+"""Model-runner helper: own a KV cache, attach it to the local daemon, detach it safely.
+
+The runner allocates its cache in its own process (its compute never runs on imported
+memory) and hands the daemon a handle. For the cpu backend the cache is one POSIX
+shared-memory segment; every tensor is ``[num_blocks, block_size, num_kv_heads, head_dim]``::
+
+    cache = ShmKVCache(KVLayout(num_layers=32, num_blocks=4096, block_size=16,
+                                num_kv_heads=8, head_dim=128, dtype="bfloat16"))
+    with RunnerClient("ipc:///run/cachexferd/0/cmd.sock") as runner, runner.attached(cache):
+        ...                                   # serve requests; the engine swaps blocks
+        with runner.released(cache):          # RL weight update: the daemon lets go first
+            reload_weights()
+
+Importing this module does not import torch; creating a cache does.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Protocol
+
+import zmq
+
+from ..protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR, Attach, Detach, Hello, KVLayout, Status
+from .link import Link, check_ok
+
+if TYPE_CHECKING:
+    import torch
+
+
+class DeviceCacheHandle(Protocol):
+    """What RunnerClient needs from a cache: its layout and the attach handles."""
+
+    layout: KVLayout
+
+    def device_handle(self) -> dict[str, Any]: ...
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"torch has no dtype {name!r}")
+    return dtype
+
+
+class ShmKVCache:
+    """A device KV cache for the cpu backend, in /dev/shm, owned (and unlinked) by the runner."""
+
+    def __init__(self, layout: KVLayout, name: str | None = None) -> None:
+        import torch
+
+        self.layout = layout
+        self.name = name or f"cachexferd-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.path = f"/dev/shm/{self.name}"
+        size = layout.num_tensors * layout.tensor_bytes
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        storage = torch.UntypedStorage.from_file(self.path, shared=True, nbytes=size)
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+        self.offsets = [t * layout.tensor_bytes for t in range(layout.num_tensors)]
+        shape = (layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        dtype = torch_dtype(layout.dtype)
+        self.tensors: list[torch.Tensor] = [
+            flat[o : o + layout.tensor_bytes].view(dtype).view(shape) for o in self.offsets
+        ]
+
+    def layer(self, index: int) -> tuple[torch.Tensor, ...]:
+        """(K, V) of one layer, or (latent,) for single-tensor (MLA) caches."""
+        kv = self.layout.kv_tensors
+        return tuple(self.tensors[index * kv : (index + 1) * kv])
+
+    def block_bytes(self, tensor: int, block: int) -> torch.Tensor:
+        """The raw bytes of one block of one tensor (for checks)."""
+        import torch
+
+        return self.tensors[tensor][block].reshape(-1).view(torch.uint8)
+
+    def device_handle(self) -> dict[str, Any]:
+        return {"kind": "shm", "name": self.name, "offsets": list(self.offsets)}
+
+    def close(self) -> None:
+        self.tensors = []
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> ShmKVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RunnerClient:
+    """Attach/detach calls for one model runner and its local daemon."""
+
+    def __init__(self, endpoint: str, *, name: str = "runner", timeout_s: float = 60.0) -> None:
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.link = Link(self.ctx, endpoint)
+        self.timeout_s = timeout_s
+        self._next = 0
+        hello = Hello(
+            req_id=self._req_id(), protocol=[PROTOCOL_MAJOR, PROTOCOL_MINOR], client=name, role="runner", pid=os.getpid()
+        )
+        outcome = self.link.call(hello, timeout_s)
+        check_ok(outcome)
+        self.link.remember_hello(outcome)
+
+    def _req_id(self) -> int:
+        self._next += 1
+        return self._next
+
+    @property
+    def daemon_info(self) -> dict[str, Any]:
+        return self.link.info
+
+    def attach(self, cache: DeviceCacheHandle) -> dict[str, Any]:
+        cmd = Attach(req_id=self._req_id(), layout=cache.layout.to_wire(), device=cache.device_handle(), pid=os.getpid())
+        return check_ok(self.link.call(cmd, self.timeout_s))
+
+    def detach(self, drain_timeout_s: float | None = None) -> dict[str, Any]:
+        """Returns once the daemon has closed every import: the memory may be freed then."""
+        return check_ok(self.link.call(Detach(req_id=self._req_id(), drain_timeout_s=drain_timeout_s), self.timeout_s))
+
+    def status(self) -> dict[str, Any]:
+        return check_ok(self.link.call(Status(req_id=self._req_id()), self.timeout_s))
+
+    @contextmanager
+    def attached(self, cache: DeviceCacheHandle) -> Iterator[dict[str, Any]]:
+        info = self.attach(cache)
+        try:
+            yield info
+        finally:
+            self.detach()
+
+    @contextmanager
+    def released(self, cache: DeviceCacheHandle) -> Iterator[None]:
+        """Detach for a weight update or sleep, re-attach after (the cache may be reallocated
+        inside the block as long as its layout stays the same: pass the new cache to attach)."""
+        self.detach()
+        yield
+        self.attach(cache)
+
+    def close(self) -> None:
+        self.link.close()
+        self.ctx.term()
+
+    def __enter__(self) -> RunnerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,277 @@
+"""Daemon configuration: one frozen dataclass per TOML table.
+
+Precedence, lowest to highest: built-in defaults, the TOML file, ``CACHEXFERD_<TABLE>_<KEY>``
+environment variables, command-line overrides (``--set table.key=value`` and the named
+flags of ``cachexferd serve``). Every value is validated before anything binds; a bad
+value is a ConfigError that names the key and where it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "CACHEXFERD_"
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}  # fmt: skip
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message says which key, which source, and why."""
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string such as '64GiB', '512 MiB', '1.5GB'."""
+    if type(value) is int:
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value}")
+        return value
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match and match.group(2).lower() in _SIZE_UNITS:
+            return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    raise ValueError(f"{value!r} is not a size (use bytes or a unit: KiB MiB GiB TiB KB MB GB TB)")
+
+
+def _meta(doc: str, kind: str = "", **checks: Any) -> dict[str, Any]:
+    return {"doc": doc, "kind": kind, **checks}
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    rank: int = field(default=0, metadata=_meta("TP rank / GPU index this daemon serves; events carry it", lo=0))
+    backend: str = field(default="auto", metadata=_meta("copy backend: cpu, cuda, or auto", choices=("auto", "cpu", "cuda")))
+    runtime_dir: str = field(default="", metadata=_meta("directory for ipc sockets (mode 0700); empty: see docs/operations.md"))
+    endpoint: str = field(default="", metadata=_meta("command socket; empty: ipc://<runtime_dir>/cmd.sock; tcp only on loopback"))
+    drain_timeout_s: float = field(default=10.0, metadata=_meta("shutdown/detach drain limit before failing the rest", lo=0.0))
+    max_inflight: int = field(default=4096, metadata=_meta("accepted commands without an outcome yet, beyond it BUSY", lo=1))
+    watch_runner_pid: bool = field(default=True, metadata=_meta("detach automatically when the attached runner exits"))
+    log_level: str = field(default="info", metadata=_meta("debug, info, warning, error", choices=("debug", "info", "warning", "error")))
+
+
+@dataclass(frozen=True)
+class HostCacheConfig:
+    capacity: int = field(default=1 << 30, metadata=_meta("host cache bytes (e.g. '64GiB')", kind="size", lo=1 << 20))
+    block_bytes: int = field(default=0, metadata=_meta("bytes per host block; 0: fixed by the first attach", kind="size"))
+    copy_threads: int = field(default=2, metadata=_meta("copy workers per direction (cpu backend)", lo=1, hi=64))
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = field(default=True, metadata=_meta("serve Prometheus metrics over HTTP"))
+    host: str = field(default="127.0.0.1", metadata=_meta("bind address; keep loopback unless a scraper needs more"))
+    port: int = field(default=9400, metadata=_meta("base port; the daemon listens on port + rank; 0: any free port", lo=0, hi=65535))
+
+
+@dataclass(frozen=True)
+class CudaConfig:
+    device: str = field(default="", metadata=_meta("GPU index (after CUDA_VISIBLE_DEVICES) or UUID; empty: daemon.rank"))
+    pin_chunk: int = field(default=1 << 30, metadata=_meta("bytes registered per pinning step", kind="size", lo=1 << 20))
+    numa_node: int = field(default=-1, metadata=_meta("NUMA node for the host cache; -1: the GPU's node", lo=-1))
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    backend: str = field(default="file", metadata=_meta("none, file, mooncake, redis", choices=("none", "file", "mooncake", "redis")))
+    path: str = field(default="", metadata=_meta("file backend directory; empty: <runtime_dir>/storage"))
+    fsync: bool = field(default=False, metadata=_meta("file backend: fsync objects before rename"))
+    url: str = field(default="", metadata=_meta("redis backend URL, e.g. redis://127.0.0.1:6379/0"))
+    master: str = field(default="", metadata=_meta("mooncake master address host:port"))
+    local_hostname: str = field(default="127.0.0.1", metadata=_meta("mooncake: this node's address"))
+    metadata_server: str = field(default="P2PHANDSHAKE", metadata=_meta("mooncake metadata server"))
+    protocol: str = field(default="tcp", metadata=_meta("mooncake transport: tcp or rdma", choices=("tcp", "rdma")))
+    device_name: str = field(default="", metadata=_meta("mooncake RDMA device names, empty for tcp"))
+    segment_size: int = field(default=0, metadata=_meta("mooncake: bytes this node contributes to the pool", kind="size"))
+    timeout_s: float = field(default=10.0, metadata=_meta("limit on every storage wait", lo=0.001))
+    namespace: str = field(default="", metadata=_meta("prefix for every object name (isolates deployments)"))
+
+
+@dataclass(frozen=True)
+class Config:
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    host_cache: HostCacheConfig = field(default_factory=HostCacheConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    cuda: CudaConfig = field(default_factory=CudaConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+
+    @property
+    def runtime_dir(self) -> Path:
+        return Path(self.daemon.runtime_dir or default_runtime_dir(self.daemon.rank))
+
+    @property
+    def endpoint(self) -> str:
+        return self.daemon.endpoint or f"ipc://{self.runtime_dir / 'cmd.sock'}"
+
+    @property
+    def metrics_port(self) -> int:
+        return 0 if self.metrics.port == 0 else self.metrics.port + self.daemon.rank
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+TABLES: dict[str, type] = {"daemon": DaemonConfig, "host_cache": HostCacheConfig, "metrics": MetricsConfig, "cuda": CudaConfig, "storage": StorageConfig}
+
+
+_LOOPBACK = re.compile(r"^tcp://(127\.\d+\.\d+\.\d+|localhost|\[::1\]):\d+$")
+
+
+def validate_endpoint(endpoint: str) -> None:
+    """ipc:// anywhere; tcp:// only on loopback until CURVE authentication exists."""
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return
+    if endpoint.startswith("tcp://") and _LOOPBACK.match(endpoint):
+        return
+    raise ConfigError(
+        f"daemon.endpoint {endpoint!r} must be ipc://PATH or tcp://LOOPBACK:PORT "
+        "(remote tcp needs CURVE, which this version does not provide)"
+    )
+
+
+def default_runtime_dir(rank: int) -> str:
+    """systemd's RuntimeDirectory when set, else /run for root, else a per-user tmp dir."""
+    if os.environ.get("RUNTIME_DIRECTORY"):
+        return os.environ["RUNTIME_DIRECTORY"].split(":")[0]
+    if os.geteuid() == 0:
+        return f"/run/cachexferd/{rank}"
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/cachexferd-{os.getuid()}"
+    return f"{base}/cachexferd/{rank}"
+
+
+def _convert(table: str, fld: dataclasses.Field[Any], value: Any, source: str) -> Any:
+    key = f"{table}.{fld.name}"
+    meta = fld.metadata
+    try:
+        if meta.get("kind") == "size":
+            out: Any = parse_size(value)
+        elif fld.type in ("bool", bool):
+            out = _to_bool(value)
+        elif fld.type in ("int", int):
+            out = int(value) if isinstance(value, str) else value
+            if type(out) is not int:
+                raise ValueError(f"expected an int, got {type(value).__name__}")
+        elif fld.type in ("float", float):
+            out = float(value) if isinstance(value, (str, int)) and type(value) is not bool else value
+            if type(out) is not float:
+                raise ValueError(f"expected a number, got {type(value).__name__}")
+        else:
+            if not isinstance(value, str):
+                raise ValueError(f"expected a string, got {type(value).__name__}")
+            out = value
+    except ValueError as exc:
+        raise ConfigError(f"{key} (from {source}): {exc}") from None
+    _check_range(key, source, out, meta)
+    return out
+
+
+def _to_bool(value: Any) -> bool:
+    if type(value) is bool:
+        return value
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.lower() in ("1", "true", "yes", "on")
+    raise ValueError(f"expected a bool, got {value!r}")
+
+
+def _check_range(key: str, source: str, value: Any, meta: Mapping[str, Any]) -> None:
+    if "choices" in meta and value not in meta["choices"]:
+        raise ConfigError(f"{key} (from {source}): {value!r} is not one of {list(meta['choices'])}")
+    if "lo" in meta and value < meta["lo"]:
+        raise ConfigError(f"{key} (from {source}): {value} is below the minimum {meta['lo']}")
+    if "hi" in meta and value > meta["hi"]:
+        raise ConfigError(f"{key} (from {source}): {value} is above the maximum {meta['hi']}")
+
+
+def _unknown(name: str, known: list[str], what: str, source: str) -> ConfigError:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"unknown {what} {name!r} in {source}{hint}")
+
+
+class _Layers:
+    """Collects overrides per table, remembering where each value came from."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, dict[str, tuple[Any, str]]] = {name: {} for name in TABLES}
+
+    def put(self, table: str, key: str, value: Any, source: str) -> None:
+        if table not in TABLES:
+            raise _unknown(table, list(TABLES), "table", source)
+        known = [fld.name for fld in fields(TABLES[table])]
+        if key not in known:
+            raise _unknown(key, known, f"key in [{table}]", source)
+        self.values[table][key] = (value, source)
+
+    def build(self) -> Config:
+        tables = {}
+        for name, cls in TABLES.items():
+            by_name = {fld.name: fld for fld in fields(cls)}
+            kwargs = {k: _convert(name, by_name[k], v, src) for k, (v, src) in self.values[name].items()}
+            tables[name] = cls(**kwargs)
+        config = Config(**tables)
+        validate_endpoint(config.endpoint)
+        return config
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Builds the effective config. ``overrides`` maps 'table.key' to a value (CLI layer)."""
+    layers = _Layers()
+    if path is not None:
+        _load_file(layers, Path(path))
+    env = os.environ if environ is None else environ
+    for var, value in sorted(env.items()):
+        if var.startswith(ENV_PREFIX) and var != ENV_PREFIX + "CONFIG":
+            table, key = _split_env(var)
+            layers.put(table, key, value, f"env {var}")
+    for dotted, value in (overrides or {}).items():
+        table, _, key = dotted.partition(".")
+        if not key:
+            raise ConfigError(f"override {dotted!r} must look like table.key=value")
+        layers.put(table, key, value, f"flag {dotted}")
+    return layers.build()
+
+
+def _load_file(layers: _Layers, path: Path) -> None:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for table, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: top-level key {table!r} must be a [table]")
+        for key, value in values.items():
+            layers.put(table, key, value, str(path))
+
+
+def _split_env(var: str) -> tuple[str, str]:
+    rest = var[len(ENV_PREFIX) :].lower()
+    for table in sorted(TABLES, key=len, reverse=True):
+        if rest.startswith(table + "_"):
+            return table, rest[len(table) + 1 :]
+    raise _unknown(rest.split("_")[0], list(TABLES), "table", f"env {var}")
+
+
+def describe() -> list[tuple[str, Any, str]]:
+    """(key, default, doc) for every setting, for docs and `cachexferd serve --help-config`."""
+    rows = []
+    for table, cls in TABLES.items():
+        for fld in fields(cls):
+            default = fld.default if fld.default is not dataclasses.MISSING else None
+            rows.append((f"{table}.{fld.name}", default, fld.metadata["doc"]))
+    return rows

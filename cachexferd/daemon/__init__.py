@@ -1,0 +1,1 @@
+"""The daemon process: sockets, dispatch, ordering, device lifecycle."""

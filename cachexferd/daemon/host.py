@@ -1,0 +1,63 @@
+"""The daemon's view of its host cache: the pool plus the block geometry once it is known.
+
+The geometry (bytes per host block, hence the number of blocks) comes from
+``host_cache.block_bytes`` or from the first attach, and then stays for the daemon's life;
+a later attach must describe blocks of the same size and the same layout fingerprint, so
+host blocks written under one layout are never read back under another.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..host_cache import HostGeometry, HostPool
+from ..protocol import ErrorCode, KVLayout, ProtocolError
+
+
+class HostCache:
+    def __init__(self, pool: HostPool, block_bytes: int) -> None:
+        self.pool = pool
+        self.geometry: HostGeometry | None = None
+        self.fingerprint: str | None = None
+        if block_bytes:
+            if block_bytes > pool.capacity:
+                raise ValueError(f"host_cache.block_bytes {block_bytes} exceeds capacity {pool.capacity}")
+            self.geometry = pool.geometry(block_bytes)
+
+    def bind(self, layout: KVLayout) -> HostGeometry:
+        need = layout.host_block_bytes
+        if self.geometry is not None and self.geometry.block_bytes != need:
+            raise ProtocolError(
+                ErrorCode.LAYOUT_MISMATCH,
+                f"layout needs {need} bytes per host block; the host cache uses {self.geometry.block_bytes}",
+            )
+        if self.fingerprint is not None and self.fingerprint != layout.fingerprint():
+            raise ProtocolError(
+                ErrorCode.LAYOUT_MISMATCH,
+                f"host cache holds blocks of layout {self.fingerprint}, not {layout.fingerprint()}; restart the daemon to change models",
+            )
+        if need > self.pool.capacity:
+            raise ProtocolError(
+                ErrorCode.LAYOUT_MISMATCH, f"one host block of {need} bytes exceeds capacity {self.pool.capacity}"
+            )
+        self.geometry = self.geometry or self.pool.geometry(need)
+        self.fingerprint = layout.fingerprint()
+        return self.geometry
+
+    def require_geometry(self) -> HostGeometry:
+        if self.geometry is None:
+            raise ProtocolError(
+                ErrorCode.NOT_ATTACHED, "host block size is unknown until the first attach (or host_cache.block_bytes)"
+            )
+        return self.geometry
+
+    def describe(self) -> dict[str, Any]:
+        g = self.geometry
+        return {
+            "capacity_bytes": self.pool.capacity,
+            "ready_bytes": self.pool.ready_bytes,
+            "pinned": self.pool.pinned,
+            "block_bytes": g.block_bytes if g else 0,
+            "num_blocks": g.num_blocks if g else 0,
+            "fingerprint": self.fingerprint,
+        }

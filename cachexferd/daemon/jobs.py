@@ -1,0 +1,90 @@
+"""Runs asynchronous commands: order them, execute them off the loop, emit one event each.
+
+A Job is what a handler returns after validating a command: the blocks it touches and a
+coroutine function that does the work. ``Jobs.start`` registers the job with the block
+ordering *synchronously* (so arrival order is the order), then a task waits for the jobs
+it conflicts with, runs the work, and always emits exactly one outcome, whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..backends.base import CancelToken
+from ..protocol import Command, ErrorCode, ProtocolError
+from .ordering import Access, Entry
+
+if TYPE_CHECKING:
+    from .server import Daemon
+    from .sessions import Session
+
+log = logging.getLogger(__name__)
+
+Work = Callable[[CancelToken], Awaitable[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Job:
+    access: Access
+    work: Work
+
+
+class Jobs:
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, session: Session, cmd: Command, job: Job, received: float) -> None:
+        entry, waits = self.daemon.ordering.register(job.access)
+        session.inflight.add(cmd.req_id)
+        task = asyncio.get_running_loop().create_task(self._run(session, cmd, job, entry, waits, received))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        self._publish()
+
+    async def _run(
+        self, session: Session, cmd: Command, job: Job, entry: Entry, waits: list[asyncio.Future[None]], received: float
+    ) -> None:
+        code, detail, result = ErrorCode.OK, "", {}
+        try:
+            if waits:
+                await asyncio.wait(waits)
+            entry.cancel.check()
+            entry.started = True
+            self._publish()
+            result = await job.work(entry.cancel)
+        except ProtocolError as exc:
+            code, detail = exc.code, exc.detail
+        except Exception as exc:  # a bug must still produce an outcome
+            log.exception("%s req_id=%d failed", cmd.TYPE.name, cmd.req_id)
+            code, detail = ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+        finally:
+            self.daemon.ordering.release(entry)
+            session.inflight.discard(cmd.req_id)
+            self._publish()
+        self.daemon.finish(session.identity, cmd.TYPE, cmd.req_id, code, detail, result, received)
+
+    def cancel_all(self, code: ErrorCode, detail: str) -> None:
+        for entry in self.daemon.ordering.active():
+            entry.cancel.cancel(code, detail)
+
+    async def wait_all(self, timeout: float | None) -> bool:
+        """True when every job finished within ``timeout``."""
+        if not self.tasks:
+            return True
+        _, pending = await asyncio.wait(set(self.tasks), timeout=timeout)
+        return not pending
+
+    def _publish(self) -> None:
+        queued, running = self.daemon.ordering.counts()
+        self.daemon.metrics.queued.set(queued)
+        self.daemon.metrics.running.set(running)
+
+
+def elapsed_since(received: float) -> float:
+    return time.monotonic() - received

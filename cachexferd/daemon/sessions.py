@@ -1,0 +1,108 @@
+"""Clients known to the daemon and the PUSH sockets that carry their events.
+
+A session is keyed by the ROUTER identity of the client's DEALER. Sessions that name the
+same event endpoint share one PUSH socket (an engine's one PULL socket can serve many
+DEALERs). Sends never block the loop: a full queue drops the event and counts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import zmq
+
+from ..protocol import ErrorCode, ProtocolError
+
+log = logging.getLogger(__name__)
+
+MAX_SESSIONS = 256
+_EVENT_ENDPOINT = re.compile(r"^(ipc://.+|tcp://(127\.\d+\.\d+\.\d+|localhost|\[::1\]):\d+)$")
+_EVENT_HWM = 100_000
+_EVENT_LINGER_MS = 2000  # flush window at shutdown
+
+
+@dataclass(eq=False)
+class Session:
+    identity: bytes
+    client: str = ""
+    role: str = "engine"
+    events: str | None = None
+    pid: int | None = None
+    inflight: set[int] = field(default_factory=set)  # req_ids of async commands without outcome
+
+
+class EventSinks:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        self._ctx = ctx
+        self._sockets: dict[str, zmq.Socket[bytes]] = {}
+
+    def open(self, endpoint: str) -> None:
+        if not _EVENT_ENDPOINT.match(endpoint):
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD, f"events endpoint {endpoint!r} must be ipc://PATH or tcp://LOOPBACK:PORT"
+            )
+        if endpoint in self._sockets:
+            return
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, _EVENT_HWM)
+        sock.setsockopt(zmq.LINGER, _EVENT_LINGER_MS)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"cannot connect events endpoint {endpoint!r}: {exc}") from None
+        self._sockets[endpoint] = sock
+
+    def send(self, endpoint: str, frames: list[bytes]) -> bool:
+        sock = self._sockets.get(endpoint)
+        if sock is None:
+            return False
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:
+            log.warning("event to %s dropped: %s", endpoint, exc)
+            return False
+
+    def retain_only(self, endpoints: set[str]) -> None:
+        for endpoint in list(self._sockets):
+            if endpoint not in endpoints:
+                self._sockets.pop(endpoint).close(0)
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close(_EVENT_LINGER_MS)
+        self._sockets.clear()
+
+
+class Sessions:
+    def __init__(self, sinks: EventSinks) -> None:
+        self.sinks = sinks
+        self._by_identity: OrderedDict[bytes, Session] = OrderedDict()
+
+    def get(self, identity: bytes) -> Session | None:
+        return self._by_identity.get(identity)
+
+    def hello(self, identity: bytes, client: str, role: str, events: str | None, pid: int | None) -> Session:
+        if events is not None:
+            self.sinks.open(events)
+        session = self._by_identity.pop(identity, None) or Session(identity)
+        session.client, session.role, session.events, session.pid = client, role, events, pid
+        self._by_identity[identity] = session
+        self._evict()
+        return session
+
+    def _evict(self) -> None:
+        """Forgets the oldest idle sessions beyond MAX_SESSIONS (clients that reconnected)."""
+        while len(self._by_identity) > MAX_SESSIONS:
+            idle = next((s for s in self._by_identity.values() if not s.inflight), None)
+            if idle is None:
+                break
+            del self._by_identity[idle.identity]
+        self.sinks.retain_only({s.events for s in self._by_identity.values() if s.events})
+
+    def __len__(self) -> int:
+        return len(self._by_identity)

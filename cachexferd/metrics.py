@@ -1,0 +1,78 @@
+"""Prometheus metrics of one daemon, on a registry of its own (several daemons can share a
+process in tests without clashing). Names follow the Prometheus conventions: base units,
+``_total`` on counters, ``_bytes`` / ``_seconds`` suffixes. docs/operations.md lists them."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.exposition import start_http_server
+from prometheus_client.process_collector import ProcessCollector
+
+from . import __version__
+from .protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class DaemonMetrics:
+    def __init__(self, rank: int, backend: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        ProcessCollector(registry=r)
+        self.build = Info("cachexferd_build", "Build and protocol of this daemon", registry=r)
+        self.build.info(
+            {"version": __version__, "protocol": f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}", "backend": backend, "rank": str(rank)}
+        )
+        self.commands = Counter(
+            "cachexferd_commands_total", "Commands by type and outcome", ["op", "outcome"], registry=r
+        )
+        self.latency = Histogram(
+            "cachexferd_command_duration_seconds",
+            "Time from receipt to outcome, by command type",
+            ["op"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.transfer_bytes = Counter(
+            "cachexferd_transfer_bytes_total", "Bytes moved, by direction (d2h, h2d, store, load)", ["direction"], registry=r
+        )
+        self.queued = Gauge("cachexferd_queue_depth", "Accepted commands waiting for earlier ones", registry=r)
+        self.running = Gauge("cachexferd_inflight_commands", "Commands executing now", registry=r)
+        self.host_capacity = Gauge("cachexferd_host_cache_capacity_bytes", "Host cache size", registry=r)
+        self.host_ready = Gauge(
+            "cachexferd_host_cache_ready_bytes", "Host cache bytes usable now (pinned, for cuda)", registry=r
+        )
+        self.host_blocks = Gauge("cachexferd_host_cache_blocks", "Host cache blocks (0 until geometry is known)", registry=r)
+        self.attached = Gauge("cachexferd_attached_device_caches", "Device caches attached (0 or 1)", registry=r)
+        self.mappings = Gauge("cachexferd_imported_mappings", "Device memory mappings imported now", registry=r)
+        self.clients = Gauge("cachexferd_clients", "Clients that said hello", registry=r)
+        self.events_dropped = Counter(
+            "cachexferd_events_dropped_total", "Outcomes that could not be delivered to a client", registry=r
+        )
+        self.auto_detaches = Counter(
+            "cachexferd_auto_detaches_total", "Detaches because the attached runner exited", registry=r
+        )
+        self.storage_ops = Counter(
+            "cachexferd_storage_operations_total", "Storage backend calls by operation and result", ["op", "result"], registry=r
+        )
+        self.storage_errors = Counter(
+            "cachexferd_storage_errors_total", "Storage problems by kind (corrupt, mismatch, unavailable, timeout)", ["kind"], registry=r
+        )
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.port = 0
+
+    def serve(self, host: str, port: int) -> int:
+        """Starts the HTTP endpoint; returns the bound port (useful with port 0)."""
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = self._server.server_port
+        return self.port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

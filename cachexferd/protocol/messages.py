@@ -1,0 +1,200 @@
+"""One frozen dataclass per command, plus the two outcome shapes (Reply and Event).
+
+Each command field declares its checker in ``metadata["check"]``; ``decode_command``
+(codec.py) uses them on untrusted input. Unknown body fields are ignored so that minor
+protocol versions can add optional fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar
+
+from . import fields as f
+from .constants import ErrorCode, Limits, MsgType
+from .errors import ProtocolError
+
+ROLES = frozenset({"engine", "runner", "tool"})
+STORAGE_SOURCES = frozenset({"host", "device"})
+
+
+def _spec(check: f.Check, default: Any = MISSING) -> Any:
+    if default is MISSING:
+        return field(metadata={"check": check})
+    return field(default=default, metadata={"check": check})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Command:
+    """Fields every command carries."""
+
+    TYPE: ClassVar[MsgType]
+    req_id: int = _spec(f.integer(1))
+    # When set, the daemon refuses the command with STALE_BOOT unless this is its boot id:
+    # a command queued for a daemon that died is not run by its successor.
+    boot_id: str | None = _spec(f.optional(f.text(64)), None)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {fld.name: getattr(self, fld.name) for fld in fields(self)}
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> Command:
+        values: dict[str, Any] = {}
+        for fld in fields(cls):
+            if fld.name not in body:
+                if fld.default is MISSING:
+                    raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE.name.lower()} needs field {fld.name!r}")
+                continue
+            values[fld.name] = fld.metadata["check"](fld.name, body[fld.name])
+        return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hello(Command):
+    TYPE = MsgType.HELLO
+    protocol: list[int] = _spec(f.version_pair())
+    client: str = _spec(f.text(128), "")
+    role: str = _spec(f.text(16, ROLES), "engine")
+    events: str | None = _spec(f.optional(f.text(512)), None)  # ZeroMQ endpoint the client's PULL binds
+    pid: int | None = _spec(f.optional(f.integer(1, 1 << 31)), None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ping(Command):
+    TYPE = MsgType.PING
+
+
+@dataclass(frozen=True, kw_only=True)
+class Status(Command):
+    TYPE = MsgType.STATUS
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attach(Command):
+    TYPE = MsgType.ATTACH
+    layout: dict[str, Any] = _spec(f.mapping())  # KVLayout.to_wire()
+    device: dict[str, Any] = _spec(f.mapping())  # backend-specific handles, see docs/protocol.md
+    pid: int | None = _spec(f.optional(f.integer(1, 1 << 31)), None)  # watched: its exit detaches
+
+
+@dataclass(frozen=True, kw_only=True)
+class Detach(Command):
+    TYPE = MsgType.DETACH
+    drain_timeout_s: float | None = _spec(f.optional(f.number(0.0, 3600.0)), None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shutdown(Command):
+    TYPE = MsgType.SHUTDOWN
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwapOut(Command):
+    """Device blocks -> host blocks, pairwise."""
+
+    TYPE = MsgType.SWAP_OUT
+    device_ids: list[int] = _spec(f.int_list())
+    host_ids: list[int] = _spec(f.int_list())
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwapIn(Command):
+    """Host blocks -> device blocks, pairwise."""
+
+    TYPE = MsgType.SWAP_IN
+    device_ids: list[int] = _spec(f.int_list())
+    host_ids: list[int] = _spec(f.int_list())
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClearHost(Command):
+    TYPE = MsgType.CLEAR_HOST
+
+
+@dataclass(frozen=True, kw_only=True)
+class Store(Command):
+    """Host blocks (or device blocks staged through host_ids) -> storage objects by key."""
+
+    TYPE = MsgType.STORE
+    keys: list[str] = _spec(f.key_list())
+    host_ids: list[int] = _spec(f.int_list())
+    device_ids: list[int] | None = _spec(f.optional(f.int_list()), None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Load(Command):
+    """Storage objects -> host blocks (-> device blocks when device_ids is given)."""
+
+    TYPE = MsgType.LOAD
+    keys: list[str] = _spec(f.key_list())
+    host_ids: list[int] = _spec(f.int_list())
+    device_ids: list[int] | None = _spec(f.optional(f.int_list()), None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lookup(Command):
+    TYPE = MsgType.LOOKUP
+    keys: list[str] = _spec(f.key_list())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Delete(Command):
+    TYPE = MsgType.DELETE
+    keys: list[str] = _spec(f.key_list())
+
+
+COMMANDS: dict[MsgType, type[Command]] = {
+    cls.TYPE: cls
+    for cls in (Hello, Ping, Status, Attach, Detach, Shutdown, SwapOut, SwapIn, ClearHost, Store, Load, Lookup, Delete)
+}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The single outcome of a command: a Reply (sync) or an Event (async)."""
+
+    req_id: int
+    boot_id: str
+    rank: int
+    code: int = ErrorCode.OK
+    detail: str = ""
+    result: dict[str, Any] = field(default_factory=dict)
+    op: int = 0  # the command's MsgType; set on events and replies alike
+
+    @property
+    def ok(self) -> bool:
+        return self.code == ErrorCode.OK
+
+    @property
+    def error(self) -> str:
+        try:
+            return ErrorCode(self.code).name
+        except ValueError:
+            return f"UNKNOWN_{self.code}"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "req_id": self.req_id,
+            "boot_id": self.boot_id,
+            "rank": self.rank,
+            "op": self.op,
+            "code": int(self.code),
+            "error": self.error,
+            "detail": self.detail,
+            "result": self.result,
+        }
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> Outcome:
+        try:
+            return cls(
+                req_id=f.integer(0)("req_id", body["req_id"]),
+                boot_id=f.text(64)("boot_id", body["boot_id"]),
+                rank=f.integer(0, 1 << 20)("rank", body["rank"]),
+                code=f.integer(0, 1 << 16)("code", body["code"]),
+                detail=f.text(Limits.MAX_STR * 4)("detail", body.get("detail", "")),
+                result=f.mapping(1 << 16)("result", body.get("result", {})),
+                op=f.integer(0, 255)("op", body.get("op", 0)),
+            )
+        except KeyError as exc:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"outcome needs field {exc.args[0]!r}") from None

@@ -1,0 +1,63 @@
+"""``cachexferd status``: fetch a daemon's status map and render it for people."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from .client.link import Link, check_ok
+from .protocol import Status
+
+
+def fetch_status(endpoint: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    link = Link(ctx, endpoint)
+    try:
+        return check_ok(link.call(Status(req_id=1), timeout_s))
+    finally:
+        link.close()
+        ctx.term()
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # unreachable
+
+
+def format_status(s: dict[str, Any]) -> str:
+    host, device, cmds = s["host_cache"], s["device"], s["commands"]
+    ready = host["ready_bytes"] / host["capacity_bytes"] if host["capacity_bytes"] else 0.0
+    rows = [
+        ("daemon", f"rank {s['rank']}  pid {s['pid']}  {s['state']}  up {s['uptime_s']:.0f}s  v{s['version']}"),
+        ("boot id", s["boot_id"]),
+        ("endpoint", s["endpoint"]),
+        ("metrics", s.get("metrics_url") or "disabled"),
+        ("backend", ", ".join(f"{k}={v}" for k, v in s["backend"].items())),
+        (
+            "host cache",
+            f"{human_bytes(host['capacity_bytes'])}, {host['num_blocks']} blocks of {human_bytes(host['block_bytes'])}"
+            f", ready {ready:.0%}{' (pinned)' if host['pinned'] else ''}",
+        ),
+        ("device cache", _device_line(device)),
+        ("commands", f"{cmds['queued']} queued, {cmds['running']} running"),
+        ("clients", str(s["clients"])),
+    ]
+    if "storage" in s:
+        rows.append(("storage", ", ".join(f"{k}={v}" for k, v in s["storage"].items())))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _device_line(device: dict[str, Any]) -> str:
+    if device["state"] != "attached":
+        return device["state"]
+    layout = device.get("layout", {})
+    return (
+        f"attached (runner pid {device.get('runner_pid')}): {layout.get('num_layers')} layers x "
+        f"{layout.get('kv_tensors')} tensors, {layout.get('num_blocks')} blocks, {layout.get('dtype')}, "
+        f"{device.get('mappings', 0)} mappings"
+    )

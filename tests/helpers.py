@@ -1,0 +1,115 @@
+"""Helpers shared by the test tiers: an in-process daemon on its own thread, cache filling
+and byte-exact block checks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cachexferd.client.runner import ShmKVCache
+from cachexferd.config import Config, load_config
+from cachexferd.daemon.server import Daemon
+from cachexferd.protocol import KVLayout
+
+SMALL = KVLayout(num_layers=3, num_blocks=48, block_size=4, num_kv_heads=2, head_dim=32, dtype="float16")
+
+
+def config_for(runtime_dir: Path, **settings: Any) -> Config:
+    base = {
+        "daemon.runtime_dir": str(runtime_dir),
+        "daemon.backend": "cpu",
+        "metrics.port": 0,
+        "host_cache.capacity": "16MiB",
+        "daemon.drain_timeout_s": 5.0,
+    }
+    base.update({k.replace("__", "."): v for k, v in settings.items()})
+    return load_config(overrides=base, environ={})
+
+
+class InProcessDaemon:
+    """A Daemon serving from a background thread with its own event loop."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.endpoint = config.endpoint
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.daemon: Daemon | None = None
+        self.thread = threading.Thread(target=self._main, name="inproc-daemon", daemon=True)
+
+    def _main(self) -> None:
+        async def run() -> None:
+            self.loop = asyncio.get_running_loop()
+            self.daemon = Daemon(self.config)
+            try:
+                await self.daemon.start()
+            finally:
+                self._ready.set()
+            assert self.daemon._stop is not None
+            await self.daemon._stop.wait()
+            await self.daemon.shutdown()
+
+        try:
+            asyncio.run(run())
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+
+    def start(self, timeout_s: float = 20.0) -> InProcessDaemon:
+        self.thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError("in-process daemon did not start")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def run(self, fn: Callable[[], Any], timeout_s: float = 10.0) -> Any:
+        """Runs fn on the daemon's loop thread and returns its result."""
+        assert self.loop is not None
+
+        async def call() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.loop is not None and self.daemon is not None and self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.daemon.request_stop, "test teardown")
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise TimeoutError("in-process daemon did not stop")
+
+
+def fill_random(cache: ShmKVCache, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for tensor in cache.tensors:
+        raw = tensor.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+
+def snapshot(cache: ShmKVCache) -> list[torch.Tensor]:
+    """Byte copies of every tensor (compare bytes, never floats: random bits hold NaNs)."""
+    return [t.view(torch.uint8).clone() for t in cache.tensors]
+
+
+def assert_moved(
+    dst: ShmKVCache, dst_ids: Sequence[int], src: Sequence[torch.Tensor], src_ids: Sequence[int]
+) -> None:
+    for t, tensor in enumerate(dst.tensors):
+        raw = tensor.view(torch.uint8)
+        for d, s in zip(dst_ids, src_ids):
+            assert torch.equal(raw[d], src[t][s]), f"tensor {t}: device block {d} != source block {s}"
+
+
+def assert_untouched(cache: ShmKVCache, before: Sequence[torch.Tensor], changed: Sequence[int]) -> None:
+    keep = sorted(set(range(cache.layout.num_blocks)) - set(changed))
+    index = torch.tensor(keep, dtype=torch.long)
+    for t, tensor in enumerate(cache.tensors):
+        raw = tensor.view(torch.uint8)
+        assert torch.equal(raw[index], before[t][index]), f"tensor {t}: a block outside {sorted(changed)} changed"
