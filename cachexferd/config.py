@@ -51,19 +51,33 @@ def _meta(doc: str, kind: str = "", **checks: Any) -> dict[str, Any]:
 @dataclass(frozen=True)
 class DaemonConfig:
     rank: int = field(default=0, metadata=_meta("TP rank / GPU index this daemon serves; events carry it", lo=0))
-    backend: str = field(default="auto", metadata=_meta("copy backend: cpu, cuda, or auto", choices=("auto", "cpu", "cuda")))
-    runtime_dir: str = field(default="", metadata=_meta("directory for ipc sockets (mode 0700); empty: see docs/operations.md"))
-    endpoint: str = field(default="", metadata=_meta("command socket; empty: ipc://<runtime_dir>/cmd.sock; tcp only on loopback"))
-    drain_timeout_s: float = field(default=10.0, metadata=_meta("shutdown/detach drain limit before failing the rest", lo=0.0))
-    max_inflight: int = field(default=4096, metadata=_meta("accepted commands without an outcome yet, beyond it BUSY", lo=1))
+    backend: str = field(
+        default="auto", metadata=_meta("copy backend: cpu, cuda, or auto", choices=("auto", "cpu", "cuda"))
+    )
+    runtime_dir: str = field(
+        default="", metadata=_meta("directory for ipc sockets (mode 0700); empty: see docs/operations.md")
+    )
+    endpoint: str = field(
+        default="", metadata=_meta("command socket; empty: ipc://<runtime_dir>/cmd.sock; tcp only on loopback")
+    )
+    drain_timeout_s: float = field(
+        default=10.0, metadata=_meta("shutdown/detach drain limit before failing the rest", lo=0.0)
+    )
+    max_inflight: int = field(
+        default=4096, metadata=_meta("accepted commands without an outcome yet, beyond it BUSY", lo=1)
+    )
     watch_runner_pid: bool = field(default=True, metadata=_meta("detach automatically when the attached runner exits"))
-    log_level: str = field(default="info", metadata=_meta("debug, info, warning, error", choices=("debug", "info", "warning", "error")))
+    log_level: str = field(
+        default="info", metadata=_meta("debug, info, warning, error", choices=("debug", "info", "warning", "error"))
+    )
 
 
 @dataclass(frozen=True)
 class HostCacheConfig:
     capacity: int = field(default=1 << 30, metadata=_meta("host cache bytes (e.g. '64GiB')", kind="size", lo=1 << 20))
-    block_bytes: int = field(default=0, metadata=_meta("bytes per host block; 0: fixed by the first attach", kind="size"))
+    block_bytes: int = field(
+        default=0, metadata=_meta("bytes per host block; 0: fixed by the first attach", kind="size")
+    )
     copy_threads: int = field(default=2, metadata=_meta("copy workers per direction (cpu backend)", lo=1, hi=64))
 
 
@@ -71,19 +85,31 @@ class HostCacheConfig:
 class MetricsConfig:
     enabled: bool = field(default=True, metadata=_meta("serve Prometheus metrics over HTTP"))
     host: str = field(default="127.0.0.1", metadata=_meta("bind address; keep loopback unless a scraper needs more"))
-    port: int = field(default=9400, metadata=_meta("base port; the daemon listens on port + rank; 0: any free port", lo=0, hi=65535))
+    port: int = field(
+        default=9400, metadata=_meta("base port; the daemon listens on port + rank; 0: any free port", lo=0, hi=65535)
+    )
 
 
 @dataclass(frozen=True)
 class CudaConfig:
-    device: str = field(default="", metadata=_meta("GPU index (after CUDA_VISIBLE_DEVICES) or UUID; empty: daemon.rank"))
-    pin_chunk: int = field(default=1 << 30, metadata=_meta("bytes registered per pinning step", kind="size", lo=1 << 20))
+    device: str = field(
+        default="", metadata=_meta("GPU index (after CUDA_VISIBLE_DEVICES) or UUID; empty: daemon.rank")
+    )
+    pin_chunk: int = field(
+        default=1 << 30, metadata=_meta("bytes registered per pinning step", kind="size", lo=1 << 20)
+    )
     numa_node: int = field(default=-1, metadata=_meta("NUMA node for the host cache; -1: the GPU's node", lo=-1))
+    copy_method: str = field(default="auto", metadata=_meta("auto, dma (2D memcpy per run) or staging (gather/scatter on the device); see docs/cuda.md", choices=("auto", "dma", "staging")))
+    memcpy_api: str = field(default="auto", metadata=_meta("2D memcpy binding: auto, cuda-python, ctypes (torch's libcudart), torch (none: stage every swap)", choices=("auto", "cuda-python", "ctypes", "torch")))
+    staging_below: int = field(default=64 << 10, metadata=_meta("auto stages a swap when direct DMA would average fewer bytes per call", kind="size"))
+    batch_bytes: int = field(default=64 << 20, metadata=_meta("bytes enqueued per batch (cancel checkpoint; staging buffer size)", kind="size", lo=1 << 20))
 
 
 @dataclass(frozen=True)
 class StorageConfig:
-    backend: str = field(default="file", metadata=_meta("none, file, mooncake, redis", choices=("none", "file", "mooncake", "redis")))
+    backend: str = field(
+        default="file", metadata=_meta("none, file, mooncake, redis", choices=("none", "file", "mooncake", "redis"))
+    )
     path: str = field(default="", metadata=_meta("file backend directory; empty: <runtime_dir>/storage"))
     fsync: bool = field(default=False, metadata=_meta("file backend: fsync objects before rename"))
     url: str = field(default="", metadata=_meta("redis backend URL, e.g. redis://127.0.0.1:6379/0"))
@@ -92,7 +118,9 @@ class StorageConfig:
     metadata_server: str = field(default="P2PHANDSHAKE", metadata=_meta("mooncake metadata server"))
     protocol: str = field(default="tcp", metadata=_meta("mooncake transport: tcp or rdma", choices=("tcp", "rdma")))
     device_name: str = field(default="", metadata=_meta("mooncake RDMA device names, empty for tcp"))
-    segment_size: int = field(default=0, metadata=_meta("mooncake: bytes this node contributes to the pool", kind="size"))
+    segment_size: int = field(
+        default=0, metadata=_meta("mooncake: bytes this node contributes to the pool", kind="size")
+    )
     timeout_s: float = field(default=10.0, metadata=_meta("limit on every storage wait", lo=0.001))
     namespace: str = field(default="", metadata=_meta("prefix for every object name (isolates deployments)"))
 
@@ -121,7 +149,13 @@ class Config:
         return dataclasses.asdict(self)
 
 
-TABLES: dict[str, type] = {"daemon": DaemonConfig, "host_cache": HostCacheConfig, "metrics": MetricsConfig, "cuda": CudaConfig, "storage": StorageConfig}
+TABLES: dict[str, type] = {
+    "daemon": DaemonConfig,
+    "host_cache": HostCacheConfig,
+    "metrics": MetricsConfig,
+    "cuda": CudaConfig,
+    "storage": StorageConfig,
+}
 
 
 _LOOPBACK = re.compile(r"^tcp://(127\.\d+\.\d+\.\d+|localhost|\[::1\]):\d+$")

@@ -45,9 +45,11 @@ class DaemonProcess:
     def start(self, timeout_s: float = 30.0) -> dict[str, Any]:
         self.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.log_path = self.log_path or self.runtime_dir / "daemon.log"
-        self._log = open(self.log_path, "ab")
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 (lives as long as the process)
         env = {**os.environ, **self.env}
-        self.proc = subprocess.Popen(self.argv(), stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv(), stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         return self.wait_ready(timeout_s)
 
     def wait_ready(self, timeout_s: float) -> dict[str, Any]:
@@ -59,9 +61,13 @@ class DaemonProcess:
                 raise LaunchError(f"daemon rank {self.rank} exited with {self.proc.returncode}:\n{self.log_tail()}")
             if ipc is None or ipc.exists():
                 try:
-                    return fetch_status(self.endpoint, timeout_s=1.0)
+                    status = fetch_status(self.endpoint, timeout_s=1.0)
                 except Exception as exc:
                     last = exc
+                else:
+                    if self.proc is None or status.get("pid") == self.proc.pid:
+                        return status
+                    last = RuntimeError(f"endpoint answered by another daemon (pid {status.get('pid')})")
             time.sleep(0.05)
         self.kill()
         raise LaunchError(f"daemon rank {self.rank} not ready after {timeout_s}s ({last}):\n{self.log_tail()}")

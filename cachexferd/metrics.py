@@ -24,7 +24,12 @@ class DaemonMetrics:
         ProcessCollector(registry=r)
         self.build = Info("cachexferd_build", "Build and protocol of this daemon", registry=r)
         self.build.info(
-            {"version": __version__, "protocol": f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}", "backend": backend, "rank": str(rank)}
+            {
+                "version": __version__,
+                "protocol": f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}",
+                "backend": backend,
+                "rank": str(rank),
+            }
         )
         self.commands = Counter(
             "cachexferd_commands_total", "Commands by type and outcome", ["op", "outcome"], registry=r
@@ -37,7 +42,10 @@ class DaemonMetrics:
             registry=r,
         )
         self.transfer_bytes = Counter(
-            "cachexferd_transfer_bytes_total", "Bytes moved, by direction (d2h, h2d, store, load)", ["direction"], registry=r
+            "cachexferd_transfer_bytes_total",
+            "Bytes moved, by direction (d2h, h2d, store, load)",
+            ["direction"],
+            registry=r,
         )
         self.queued = Gauge("cachexferd_queue_depth", "Accepted commands waiting for earlier ones", registry=r)
         self.running = Gauge("cachexferd_inflight_commands", "Commands executing now", registry=r)
@@ -45,7 +53,9 @@ class DaemonMetrics:
         self.host_ready = Gauge(
             "cachexferd_host_cache_ready_bytes", "Host cache bytes usable now (pinned, for cuda)", registry=r
         )
-        self.host_blocks = Gauge("cachexferd_host_cache_blocks", "Host cache blocks (0 until geometry is known)", registry=r)
+        self.host_blocks = Gauge(
+            "cachexferd_host_cache_blocks", "Host cache blocks (0 until geometry is known)", registry=r
+        )
         self.attached = Gauge("cachexferd_attached_device_caches", "Device caches attached (0 or 1)", registry=r)
         self.mappings = Gauge("cachexferd_imported_mappings", "Device memory mappings imported now", registry=r)
         self.clients = Gauge("cachexferd_clients", "Clients that said hello", registry=r)
@@ -56,10 +66,16 @@ class DaemonMetrics:
             "cachexferd_auto_detaches_total", "Detaches because the attached runner exited", registry=r
         )
         self.storage_ops = Counter(
-            "cachexferd_storage_operations_total", "Storage backend calls by operation and result", ["op", "result"], registry=r
+            "cachexferd_storage_operations_total",
+            "Storage backend calls by operation and result",
+            ["op", "result"],
+            registry=r,
         )
         self.storage_errors = Counter(
-            "cachexferd_storage_errors_total", "Storage problems by kind (corrupt, mismatch, unavailable, timeout)", ["kind"], registry=r
+            "cachexferd_storage_errors_total",
+            "Storage problems by kind (corrupt, mismatch, unavailable, timeout)",
+            ["kind"],
+            registry=r,
         )
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -72,7 +88,13 @@ class DaemonMetrics:
         return self.port
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        """Stops serving without waiting: socketserver's shutdown() blocks up to its 0.5 s
+        poll interval, which would stall every daemon stop."""
+        server, self._server = self._server, None
+        if server is not None:
+
+            def close() -> None:
+                server.shutdown()
+                server.server_close()
+
+            threading.Thread(target=close, name="metrics-stop", daemon=True).start()

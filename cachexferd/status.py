@@ -54,7 +54,7 @@ def format_status(s: dict[str, Any]) -> str:
 
 def _device_line(device: dict[str, Any]) -> str:
     if device["state"] != "attached":
-        return device["state"]
+        return str(device["state"])
     layout = device.get("layout", {})
     return (
         f"attached (runner pid {device.get('runner_pid')}): {layout.get('num_layers')} layers x "

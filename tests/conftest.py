@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,5 +61,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "cuda" in item.keywords:
             item.add_marker(skip)
 
-
-os.environ.setdefault("CACHEXFERD_TEST", "1")

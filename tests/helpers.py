@@ -98,9 +98,7 @@ def snapshot(cache: ShmKVCache) -> list[torch.Tensor]:
     return [t.view(torch.uint8).clone() for t in cache.tensors]
 
 
-def assert_moved(
-    dst: ShmKVCache, dst_ids: Sequence[int], src: Sequence[torch.Tensor], src_ids: Sequence[int]
-) -> None:
+def assert_moved(dst: ShmKVCache, dst_ids: Sequence[int], src: Sequence[torch.Tensor], src_ids: Sequence[int]) -> None:
     for t, tensor in enumerate(dst.tensors):
         raw = tensor.view(torch.uint8)
         for d, s in zip(dst_ids, src_ids):
@@ -113,3 +111,64 @@ def assert_untouched(cache: ShmKVCache, before: Sequence[torch.Tensor], changed:
     for t, tensor in enumerate(cache.tensors):
         raw = tensor.view(torch.uint8)
         assert torch.equal(raw[index], before[t][index]), f"tensor {t}: a block outside {sorted(changed)} changed"
+
+
+class RawClient:
+    """A bare DEALER (+ optional PULL) that sends arbitrary frames: for bad-input tests."""
+
+    def __init__(self, endpoint: str, events_dir: Path | None = None) -> None:
+        import zmq
+
+        self.zmq = zmq
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.events = None
+        self.events_endpoint = ""
+        if events_dir is not None:
+            self.events = self.ctx.socket(zmq.PULL)
+            self.events.setsockopt(zmq.LINGER, 0)
+            self.events_endpoint = f"ipc://{events_dir / 'ev.sock'}"
+            self.events.bind(self.events_endpoint)
+
+    def send(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def send_cmd(self, cmd: Any) -> None:
+        from cachexferd.protocol import encode_command
+
+        self.send(encode_command(cmd))
+
+    def _recv(self, sock: Any, timeout_s: float) -> Any:
+        from cachexferd.protocol import decode_outcome
+
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError("no message within timeout")
+        return decode_outcome(sock.recv_multipart())[1]
+
+    def reply(self, timeout_s: float = 5.0) -> Any:
+        return self._recv(self.sock, timeout_s)
+
+    def event(self, timeout_s: float = 5.0) -> Any:
+        assert self.events is not None
+        return self._recv(self.events, timeout_s)
+
+    def nothing_more(self, wait_s: float = 0.2) -> bool:
+        socks = [self.sock] + ([self.events] if self.events is not None else [])
+        return not any(s.poll(int(wait_s * 1000)) for s in socks)
+
+    def call(self, cmd: Any, timeout_s: float = 5.0) -> Any:
+        self.send_cmd(cmd)
+        return self.reply(timeout_s)
+
+    def hello(self, role: str = "engine") -> Any:
+        from cachexferd.protocol import Hello
+
+        return self.call(Hello(req_id=1, protocol=[1, 0], role=role, events=self.events_endpoint or None))
+
+    def close(self) -> None:
+        self.sock.close(0)
+        if self.events is not None:
+            self.events.close(0)
+        self.ctx.term()

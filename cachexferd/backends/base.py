@@ -10,14 +10,14 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from ..host_cache import HostGeometry, HostPool
 from ..protocol import ErrorCode, KVLayout, ProtocolError
 
 
-class Direction(str, Enum):
+class Direction(StrEnum):
     D2H = "d2h"  # swap out: device -> host
     H2D = "h2d"  # swap in: host -> device
 
@@ -91,5 +91,6 @@ class Backend(ABC):
     def describe(self) -> dict[str, Any]:
         return {"name": self.name}
 
+    @abstractmethod
     def close(self) -> None:
         """Releases backend resources (worker threads, streams)."""

@@ -19,12 +19,13 @@ torch's own intra-op threads are set to 1 in the daemon: the workers are the par
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -72,7 +73,7 @@ def validate_offsets(offsets: Any, layout: KVLayout, segment_bytes: int) -> list
     if not all(type(o) is int and o >= 0 for o in offsets):
         raise AttachError("device.offsets must be non-negative ints", ErrorCode.BAD_FIELD)
     ordered = sorted(offsets)
-    for a, b in zip(ordered, ordered[1:]):
+    for a, b in itertools.pairwise(ordered):
         if b - a < layout.tensor_bytes:
             raise AttachError(f"device tensors at offsets {a} and {b} overlap", ErrorCode.BAD_FIELD)
     if ordered[-1] + layout.tensor_bytes > segment_bytes:
@@ -97,7 +98,9 @@ def open_segment(name: Any) -> tuple[torch.UntypedStorage, int]:
         if size == 0:
             raise AttachError(f"shared memory {name!r} is empty")
         # Map through our fd so a name swapped after the open cannot redirect the mapping.
-        storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=size)
+        storage = cast(
+            torch.UntypedStorage, torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=size)
+        )
     finally:
         os.close(fd)
     return storage, size

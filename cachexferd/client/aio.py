@@ -17,7 +17,17 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from ..protocol import Command, ErrorCode, MsgType, Outcome, ProtocolError, Shutdown, Status, decode_outcome, encode_command
+from ..protocol import (
+    Command,
+    ErrorCode,
+    MsgType,
+    Outcome,
+    ProtocolError,
+    Shutdown,
+    Status,
+    decode_outcome,
+    encode_command,
+)
 from .core import EngineCore, Fields
 from .engine import default_events_endpoint
 from .link import SOCKET_OPTIONS, ClientError, check_ok
@@ -52,6 +62,8 @@ class AsyncEngineClient:
             sock.connect(endpoint)
             self.dealers.append(sock)
         self.endpoints = list(endpoints)
+        # Synchronous twins of the asyncio sockets for non-blocking reads/sends in the pump.
+        self._sync: dict[int, zmq.Socket[bytes]] = {id(s): zmq.Socket.shadow(s.underlying) for s in (self.pull, *self.dealers)}
         self.core = EngineCore(len(endpoints), name, events, timeout_s, heartbeat_s)
         self._futures: dict[int, asyncio.Future[Completion]] = {}
         self._calls: dict[int, asyncio.Future[Outcome]] = {}
@@ -79,20 +91,34 @@ class AsyncEngineClient:
                 self._resolve(self.core.send_failed(index, req_id, str(exc)))
         return future
 
-    async def swap_out(self, device_ids: Sequence[int], host_ids: Sequence[int], timeout_s: float | None = None) -> Completion:
-        return await self.submit(MsgType.SWAP_OUT, {"device_ids": list(device_ids), "host_ids": list(host_ids)}, timeout_s)
+    async def swap_out(
+        self, device_ids: Sequence[int], host_ids: Sequence[int], timeout_s: float | None = None
+    ) -> Completion:
+        return await self.submit(
+            MsgType.SWAP_OUT, {"device_ids": list(device_ids), "host_ids": list(host_ids)}, timeout_s
+        )
 
-    async def swap_in(self, device_ids: Sequence[int], host_ids: Sequence[int], timeout_s: float | None = None) -> Completion:
-        return await self.submit(MsgType.SWAP_IN, {"device_ids": list(device_ids), "host_ids": list(host_ids)}, timeout_s)
+    async def swap_in(
+        self, device_ids: Sequence[int], host_ids: Sequence[int], timeout_s: float | None = None
+    ) -> Completion:
+        return await self.submit(
+            MsgType.SWAP_IN, {"device_ids": list(device_ids), "host_ids": list(host_ids)}, timeout_s
+        )
 
     async def clear_host(self, timeout_s: float | None = None) -> Completion:
         return await self.submit(MsgType.CLEAR_HOST, {}, timeout_s)
 
     async def status(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-        return [check_ok(await self._call(i, Status(req_id=self.core.next_req_id()), timeout_s)) for i in range(len(self.dealers))]
+        return [
+            check_ok(await self._call(i, Status(req_id=self.core.next_req_id()), timeout_s))
+            for i in range(len(self.dealers))
+        ]
 
     async def shutdown_daemons(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-        return [check_ok(await self._call(i, Shutdown(req_id=self.core.next_req_id()), timeout_s)) for i in range(len(self.dealers))]
+        return [
+            check_ok(await self._call(i, Shutdown(req_id=self.core.next_req_id()), timeout_s))
+            for i in range(len(self.dealers))
+        ]
 
     async def _call(self, index: int, cmd: Command, timeout_s: float) -> Outcome:
         future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
@@ -100,8 +126,10 @@ class AsyncEngineClient:
         try:
             await self.dealers[index].send_multipart(encode_command(cmd))
             return await asyncio.wait_for(future, timeout_s)
-        except asyncio.TimeoutError:
-            raise ClientError(ErrorCode.CLIENT_TIMEOUT, f"no reply to {cmd.TYPE.name} from {self.endpoints[index]} in {timeout_s}s") from None
+        except TimeoutError:
+            raise ClientError(
+                ErrorCode.CLIENT_TIMEOUT, f"no reply to {cmd.TYPE.name} from {self.endpoints[index]} in {timeout_s}s"
+            ) from None
         finally:
             self._calls.pop(cmd.req_id, None)
 
@@ -124,7 +152,7 @@ class AsyncEngineClient:
     def _drain_socket(self, sock: zmq.asyncio.Socket, index: int | None) -> None:
         while True:
             try:
-                frames = sock._shadow_sock.recv_multipart(flags=zmq.NOBLOCK)  # the pump owns reads
+                frames = self._sync[id(sock)].recv_multipart(flags=zmq.NOBLOCK)  # the pump owns reads
             except zmq.Again:
                 return
             try:
@@ -143,7 +171,7 @@ class AsyncEngineClient:
 
     def _send_control(self, index: int, cmd: Command) -> None:
         with contextlib.suppress(zmq.ZMQError):
-            self.dealers[index]._shadow_sock.send_multipart(encode_command(cmd), flags=zmq.NOBLOCK)
+            self._sync[id(self.dealers[index])].send_multipart(encode_command(cmd), flags=zmq.NOBLOCK)
 
     def _resolve(self, completions: list[Completion]) -> None:
         for completion in completions:

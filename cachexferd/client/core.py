@@ -82,7 +82,9 @@ class EngineCore:
         done = self.pending.record(out)
         return [done] if done else []
 
-    def on_outcome(self, outcome: Outcome, index: int | None = None) -> tuple[list[Completion], list[tuple[int, Command]]]:
+    def on_outcome(
+        self, outcome: Outcome, index: int | None = None
+    ) -> tuple[list[Completion], list[tuple[int, Command]]]:
         """Files an event (index None) or a reply from link ``index``.
 
         Returns finished completions and control commands to send (re-hellos)."""

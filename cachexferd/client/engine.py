@@ -15,6 +15,7 @@ deadlines, and returns the commands that completed, each aggregated over all ran
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
@@ -68,7 +69,9 @@ class EngineClient:
 
     def connect(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
         """Says hello to every rank; returns their hello results."""
-        outcomes = [check_ok_outcome(link.call(self.core.hello(), timeout_s, self._on_reply(link))) for link in self.links]
+        outcomes = [
+            check_ok_outcome(link.call(self.core.hello(), timeout_s, self._on_reply(link))) for link in self.links
+        ]
         self.core.accept_hellos(outcomes)
         for link, outcome in zip(self.links, outcomes):
             link.remember_hello(outcome)
@@ -139,7 +142,9 @@ class EngineClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(wanted - got.keys())
-                raise ClientError(ErrorCode.CLIENT_TIMEOUT, f"{len(missing)} commands still pending after {timeout_s}s: {missing[:8]}")
+                raise ClientError(
+                    ErrorCode.CLIENT_TIMEOUT, f"{len(missing)} commands still pending after {timeout_s}s: {missing[:8]}"
+                )
             for completion in self.poll(timeout_ms=max(1, int(min(left, 0.05) * 1000))):
                 if completion.req_id in wanted:
                     got[completion.req_id] = completion
@@ -160,8 +165,8 @@ class EngineClient:
                 continue
             done += self._file(outcome, None)
         for link in self.links:
-            while (outcome := link.recv_nowait()) is not None:
-                done += self._file(outcome, link.index)
+            while (reply := link.recv_nowait()) is not None:
+                done += self._file(reply, link.index)
         for index, cmd in self.core.heartbeat():
             self._send_control(index, cmd)
         done += self.core.expire()
@@ -174,10 +179,8 @@ class EngineClient:
         return done
 
     def _send_control(self, index: int, cmd: Command) -> None:
-        try:
+        with contextlib.suppress(ClientError):  # the next heartbeat tries again
             self.links[index].send(cmd)
-        except ClientError:
-            pass  # the next heartbeat tries again
 
     def _on_reply(self, link: Link) -> Any:
         def on_other(outcome: Outcome) -> None:

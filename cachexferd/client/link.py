@@ -41,7 +41,7 @@ class ClientError(RuntimeError):
 
 
 def make_dealer(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
-    sock = ctx.socket(zmq.DEALER)
+    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
     for option, value in SOCKET_OPTIONS.items():
         sock.setsockopt(option, value)
     sock.connect(endpoint)
@@ -84,7 +84,9 @@ class Link:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                raise ClientError(ErrorCode.CLIENT_TIMEOUT, f"no reply to {cmd.TYPE.name} from {self.endpoint} in {timeout_s}s")
+                raise ClientError(
+                    ErrorCode.CLIENT_TIMEOUT, f"no reply to {cmd.TYPE.name} from {self.endpoint} in {timeout_s}s"
+                )
             outcome = self.recv_nowait()
             if outcome is None:
                 continue

@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from contextlib import contextmanager, suppress
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import zmq
 
@@ -63,7 +63,7 @@ class ShmKVCache:
             os.ftruncate(fd, size)
         finally:
             os.close(fd)
-        storage = torch.UntypedStorage.from_file(self.path, shared=True, nbytes=size)
+        storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(self.path, shared=True, nbytes=size))
         flat = torch.empty(0, dtype=torch.uint8).set_(storage)
         self.offsets = [t * layout.tensor_bytes for t in range(layout.num_tensors)]
         shape = (layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
@@ -88,10 +88,8 @@ class ShmKVCache:
 
     def close(self) -> None:
         self.tensors = []
-        try:
+        with suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
     def __enter__(self) -> ShmKVCache:
         return self
@@ -109,7 +107,11 @@ class RunnerClient:
         self.timeout_s = timeout_s
         self._next = 0
         hello = Hello(
-            req_id=self._req_id(), protocol=[PROTOCOL_MAJOR, PROTOCOL_MINOR], client=name, role="runner", pid=os.getpid()
+            req_id=self._req_id(),
+            protocol=[PROTOCOL_MAJOR, PROTOCOL_MINOR],
+            client=name,
+            role="runner",
+            pid=os.getpid(),
         )
         outcome = self.link.call(hello, timeout_s)
         check_ok(outcome)
@@ -124,7 +126,9 @@ class RunnerClient:
         return self.link.info
 
     def attach(self, cache: DeviceCacheHandle) -> dict[str, Any]:
-        cmd = Attach(req_id=self._req_id(), layout=cache.layout.to_wire(), device=cache.device_handle(), pid=os.getpid())
+        cmd = Attach(
+            req_id=self._req_id(), layout=cache.layout.to_wire(), device=cache.device_handle(), pid=os.getpid()
+        )
         return check_ok(self.link.call(cmd, self.timeout_s))
 
     def detach(self, drain_timeout_s: float | None = None) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import asyncio
 import errno
 import logging
 import os
-from enum import Enum
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from ..backends.base import AttachError, DeviceCache
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 _PID_POLL_S = 1.0  # fallback when pidfd_open is unavailable (foreign pid namespace)
 
 
-class DeviceState(str, Enum):
+class DeviceState(StrEnum):
     DETACHED = "detached"
     ATTACHING = "attaching"
     ATTACHED = "attached"
@@ -114,7 +114,11 @@ class DeviceSlot:
         if cache is not None:
             cache.close()
         log.info("detached: drained %d, cancelled %d", len(entries) - len(cancelled), len(cancelled))
-        return {"state": DeviceState.DETACHED.value, "drained": len(entries) - len(cancelled), "cancelled": len(cancelled)}
+        return {
+            "state": DeviceState.DETACHED.value,
+            "drained": len(entries) - len(cancelled),
+            "cancelled": len(cancelled),
+        }
 
     def _publish(self) -> None:
         m = self.daemon.metrics

@@ -126,7 +126,9 @@ class Handlers:
         cache = self.d.device.require()
         geometry = self.d.host.require_geometry()
         to_host = direction is Direction.D2H
-        validate_pairs(device_ids, host_ids, cache.layout.num_blocks, geometry.num_blocks, "host" if to_host else "device")
+        validate_pairs(
+            device_ids, host_ids, cache.layout.num_blocks, geometry.num_blocks, "host" if to_host else "device"
+        )
 
         async def work(cancel: CancelToken) -> dict[str, Any]:
             moved = await cache.swap(direction, device_ids, host_ids, cancel) if device_ids else 0

@@ -34,7 +34,8 @@ class HostCache:
         if self.fingerprint is not None and self.fingerprint != layout.fingerprint():
             raise ProtocolError(
                 ErrorCode.LAYOUT_MISMATCH,
-                f"host cache holds blocks of layout {self.fingerprint}, not {layout.fingerprint()}; restart the daemon to change models",
+                f"host cache holds blocks of layout {self.fingerprint}, not {layout.fingerprint()}; "
+                "restart the daemon to change models",
             )
         if need > self.pool.capacity:
             raise ProtocolError(

@@ -57,7 +57,11 @@ class Jobs:
             entry.cancel.check()
             entry.started = True
             self._publish()
+            started = time.monotonic()
             result = await job.work(entry.cancel)
+            # Daemon-clock timestamps: how long the command waited for earlier ones, and
+            # whether two commands overlapped.
+            result["started_at"], result["finished_at"] = started, time.monotonic()
         except ProtocolError as exc:
             code, detail = exc.code, exc.detail
         except Exception as exc:  # a bug must still produce an outcome
@@ -84,7 +88,3 @@ class Jobs:
         queued, running = self.daemon.ordering.counts()
         self.daemon.metrics.queued.set(queued)
         self.daemon.metrics.running.set(running)
-
-
-def elapsed_since(received: float) -> float:
-    return time.monotonic() - received

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import zmq
 import zmq.asyncio
@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 
 _ALWAYS_ALLOWED = frozenset({MsgType.PING, MsgType.STATUS, MsgType.HELLO})  # also while draining
 _ROUTER_HWM = 100_000
+_QUIESCE_QUIET_S = 0.1  # shutdown: stop reading after the socket is this quiet...
+_QUIESCE_MAX_S = 2.0  # ...or after this long at most
 
 
 class DaemonError(RuntimeError):
@@ -89,6 +91,7 @@ class Daemon:
         self._lock_file: IO[str] | None = None
         self._receiver: asyncio.Task[None] | None = None
         self._spawned: set[asyncio.Task[Any]] = set()
+        self._last_receive = time.monotonic()
         self._publish_host()
 
     # Lifecycle ------------------------------------------------------------------------
@@ -142,6 +145,7 @@ class Daemon:
             log.warning("drain timeout (%.1fs): failing %d commands", drain, len(self.jobs.tasks))
             self.jobs.cancel_all(ErrorCode.SHUTTING_DOWN, "daemon shut down before this command finished")
             await self.jobs.wait_all(None)
+        await self._quiesce()
         if self._spawned:
             await asyncio.wait(set(self._spawned), timeout=drain)
         await self.device.detach("daemon shutting down", 0.0)
@@ -154,12 +158,20 @@ class Daemon:
         self.state = "stopped"
         log.info("stopped")
 
+    async def _quiesce(self) -> None:
+        """Keeps answering SHUTTING_DOWN until the socket has been quiet for a moment, so
+        commands already on their way when the stop came still get an outcome."""
+        deadline = time.monotonic() + _QUIESCE_MAX_S
+        while time.monotonic() < deadline and time.monotonic() - self._last_receive < _QUIESCE_QUIET_S:
+            await asyncio.sleep(_QUIESCE_QUIET_S / 4)
+        await asyncio.sleep(0)  # let the receiver finish the batch it holds
+
     async def _close_sockets(self) -> None:
         if self._receiver is not None:
             self._receiver.cancel()
             await asyncio.gather(self._receiver, return_exceptions=True)
         if self.router is not None:
-            self.router.close(linger=500)
+            self.router.close(linger=100)
         self.sinks.close()
         # term() waits for the lingering event sockets to flush: keep it off the loop.
         await asyncio.get_running_loop().run_in_executor(None, self.ctx.term)
@@ -215,8 +227,9 @@ class Daemon:
         assert self.router is not None
         while True:
             frames = await self.router.recv_multipart()
+            self._last_receive = time.monotonic()
             try:
-                self._on_message(frames[0], frames[1:], time.monotonic())
+                self._on_message(frames[0], frames[1:], self._last_receive)
             except Exception:  # never let one message stop the daemon
                 log.exception("unhandled error dispatching a message")
 
@@ -290,7 +303,8 @@ class Daemon:
     def _reply(self, identity: bytes, frames: list[bytes]) -> None:
         if self.router is None or self.router.closed:
             return
-        future = self.router.send_multipart([identity, *frames])
+        # The ROUTER never blocks: the send completes (or fails) at once.
+        future = cast(asyncio.Future[Any], self.router.send_multipart([identity, *frames]))
         future.add_done_callback(self._reply_sent)
 
     def _reply_sent(self, future: asyncio.Future[Any]) -> None:

@@ -22,7 +22,8 @@ def encode_header(msg_type: MsgType) -> bytes:
 
 
 def pack(body: dict[str, Any]) -> bytes:
-    return msgpack.packb(body, use_bin_type=True)
+    data: bytes = msgpack.packb(body, use_bin_type=True)
+    return data
 
 
 def unpack(data: bytes) -> dict[str, Any]:
@@ -35,10 +36,16 @@ def unpack(data: bytes) -> dict[str, Any]:
             strict_map_key=True,
             max_str_len=Limits.MAX_BODY_BYTES,
             max_bin_len=Limits.MAX_BODY_BYTES,
-            max_array_len=max(Limits.MAX_IDS, Limits.MAX_KEYS),
+            # Generous container limits bound memory; the field checkers apply the real ones
+            # so that the error names the field.
+            max_array_len=4 * max(Limits.MAX_IDS, Limits.MAX_KEYS),
             max_map_len=1 << 16,
             max_ext_len=0,
         )
+    except ValueError as exc:
+        if "exceeds max" in str(exc):
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"body holds a container over the limits: {exc}") from None
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"body is not valid msgpack: {exc}") from None
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(ErrorCode.BAD_FRAME, f"body is not valid msgpack: {type(exc).__name__}") from None
     if type(body) is not dict:

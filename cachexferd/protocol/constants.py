@@ -37,9 +37,7 @@ class MsgType(IntEnum):
     EVENT = 129
 
 
-SYNC_TYPES = frozenset(
-    {MsgType.HELLO, MsgType.PING, MsgType.STATUS, MsgType.ATTACH, MsgType.DETACH, MsgType.SHUTDOWN}
-)
+SYNC_TYPES = frozenset({MsgType.HELLO, MsgType.PING, MsgType.STATUS, MsgType.ATTACH, MsgType.DETACH, MsgType.SHUTDOWN})
 ASYNC_TYPES = frozenset(
     {
         MsgType.SWAP_OUT,

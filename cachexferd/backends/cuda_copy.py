@@ -1,0 +1,196 @@
+"""Copy planning for the cuda backend: which DMA calls move a swap, or how it is staged.
+
+Pure Python on plain addresses (no torch, no CUDA), so the CPU tests can execute a plan
+with memmove and check every byte.
+
+Direct DMA ("dma"): device tensors with evenly spaced addresses form a *group*. For one
+coalesced run of ``length`` blocks and one group of ``count`` tensors, the host side is
+block-major (tensor chunks adjacent inside a block, blocks ``host_block_bytes`` apart) and
+each device tensor is block-contiguous, so one cudaMemcpy2DAsync moves either
+- one tensor's run: ``length`` rows of ``chunk`` bytes (device pitch chunk, host pitch
+  host_block_bytes), ``count`` calls per run; or
+- one block of every tensor in the group: ``count`` rows of ``chunk`` bytes (device pitch
+  the group's tensor stride, host pitch chunk), ``length`` calls per run;
+whichever needs fewer calls. A runner that allocates its cache as one buffer (CudaKVCache
+does) is one group, so a scattered single block costs one call.
+
+Staging ("staging"): for many small scattered blocks, gather them on the device into a
+block-major staging buffer (one index kernel per group), then move whole host runs with
+plain copies; swap-in is the reverse. It spends SM time, so it is used only where direct
+DMA would issue many small calls (see choose_method).
+
+Runs never cross a pinning-chunk boundary of the host pool: each chunk is its own
+cudaHostRegister range, and a copy that spans two ranges may be treated as pageable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from .plan import Run
+
+METHODS = ("auto", "dma", "staging")
+
+
+@dataclass(frozen=True)
+class Copy2D:
+    """``height`` rows of ``width`` bytes; rows ``dpitch`` / ``spitch`` bytes apart."""
+
+    dst: int
+    dpitch: int
+    src: int
+    spitch: int
+    width: int
+    height: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.width * self.height
+
+
+@dataclass(frozen=True)
+class DmaGeometry:
+    tensor_addrs: tuple[int, ...]  # device address of block 0 of each tensor
+    chunk: int  # bytes of one block of one tensor
+    host_base: int  # address of host block 0
+    host_block_bytes: int
+    max_pitch: int  # the device's cudaDevAttrMaxPitch
+
+
+def address_groups(addrs: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first tensor, count, stride) for maximal runs of evenly spaced, increasing addresses."""
+    groups: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(addrs):
+        count, stride = 1, 0
+        if i + 1 < len(addrs) and addrs[i + 1] > addrs[i]:
+            stride = addrs[i + 1] - addrs[i]
+            while i + count < len(addrs) and addrs[i + count] - addrs[i + count - 1] == stride:
+                count += 1
+        groups.append((i, count, stride))
+        i += count
+    return groups
+
+
+def split_runs(runs: Sequence[Run], host_block_bytes: int, boundary: int) -> list[Run]:
+    """Cuts runs so that no run's host bytes cross a multiple of ``boundary`` (block
+    granularity: a block that itself straddles a boundary stays whole)."""
+    if boundary <= 0:
+        return list(runs)
+    out: list[Run] = []
+    for run in runs:
+        d, h, left = run.device, run.host, run.length
+        while left:
+            next_edge = (h * host_block_bytes // boundary + 1) * boundary
+            fits = max(1, (next_edge - h * host_block_bytes) // host_block_bytes)
+            take = min(left, fits)
+            out.append(Run(d, h, take))
+            d, h, left = d + take, h + take, left - take
+    return out
+
+
+def _rows(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, max_pitch: int) -> Iterator[Copy2D]:
+    if height == 1 or (dpitch == width and spitch == width):
+        yield Copy2D(dst, width * height, src, width * height, width * height, 1)
+    elif max(dpitch, spitch) <= max_pitch:
+        yield Copy2D(dst, dpitch, src, spitch, width, height)
+    else:  # a pitch the DMA engine cannot take: row by row
+        for row in range(height):
+            yield Copy2D(dst + row * dpitch, width, src + row * spitch, width, width, 1)
+
+
+def iter_dma(to_host: bool, runs: Sequence[Run], geo: DmaGeometry) -> Iterator[Copy2D]:
+    """The DMA calls that move ``runs`` (device -> host when ``to_host``), lazily: a big
+    scattered swap can need millions and they are issued batch by batch."""
+    chunk, hb = geo.chunk, geo.host_block_bytes
+    groups = address_groups(geo.tensor_addrs)
+    for run in runs:
+        for first, count, stride in groups:
+            dev0 = geo.tensor_addrs[first] + run.device * chunk
+            host0 = geo.host_base + run.host * hb + first * chunk
+            if count <= run.length or stride > geo.max_pitch:
+                shapes = [(dev0 + k * stride, chunk, host0 + k * chunk, hb, run.length) for k in range(count)]
+            else:
+                shapes = [(dev0 + b * chunk, stride, host0 + b * hb, chunk, count) for b in range(run.length)]
+            for dev, dev_pitch, host, host_pitch, height in shapes:
+                if to_host:
+                    yield from _rows(host, host_pitch, dev, dev_pitch, chunk, height, geo.max_pitch)
+                else:
+                    yield from _rows(dev, dev_pitch, host, host_pitch, chunk, height, geo.max_pitch)
+
+
+def plan_dma(to_host: bool, runs: Sequence[Run], geo: DmaGeometry) -> list[Copy2D]:
+    return list(iter_dma(to_host, runs, geo))
+
+
+def dma_calls(runs: Sequence[Run], geo: DmaGeometry) -> int:
+    """How many calls iter_dma issues, without building them (pitch splits not counted)."""
+    groups = address_groups(geo.tensor_addrs)
+    total = 0
+    for run in runs:
+        for _, count, stride in groups:
+            total += count if count <= run.length or stride > geo.max_pitch else run.length
+    return total
+
+
+def batches(copies: Iterable[Copy2D], batch_bytes: int) -> Iterator[list[Copy2D]]:
+    """Consecutive slices of about ``batch_bytes`` each: the unit of cancellation and of the
+    issuer's look-ahead."""
+    batch: list[Copy2D] = []
+    size = 0
+    for copy in copies:
+        batch.append(copy)
+        size += copy.nbytes
+        if size >= batch_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+@dataclass(frozen=True)
+class StagingBatch:
+    """Blocks moved through the staging buffer in one go: row ``i`` of the buffer holds
+    ``device_ids[i]``; ``host_runs`` are Runs of (staging row, host block, length)."""
+
+    device_ids: list[int]
+    host_runs: list[Run]
+
+
+def plan_staging(
+    device_ids: Sequence[int], host_ids: Sequence[int], max_blocks: int, host_block_bytes: int, boundary: int
+) -> list[StagingBatch]:
+    out = []
+    step = max(1, max_blocks)
+    for start in range(0, len(device_ids), step):
+        hosts = host_ids[start : start + step]
+        runs: list[Run] = []
+        for row, h in enumerate(hosts):
+            last = runs[-1] if runs else None
+            if last is not None and last.host + last.length == h:
+                runs[-1] = Run(last.device, last.host, last.length + 1)
+            else:
+                runs.append(Run(row, h, 1))
+        out.append(StagingBatch(list(device_ids[start : start + step]), split_runs(runs, host_block_bytes, boundary)))
+    return out
+
+
+def choose_method(setting: str, dma_calls: int, total_bytes: int, staging_below: int, can_dma: bool) -> str:
+    """'dma' or 'staging'. ``auto`` stages only when direct DMA would average fewer than
+    ``staging_below`` bytes per call (many small scattered chunks); without a 2D memcpy
+    binding everything is staged."""
+    if not can_dma:
+        return "staging"
+    if setting in ("dma", "staging"):
+        return setting
+    return "staging" if total_bytes < staging_below * max(1, dma_calls) else "dma"
+
+
+def element_size(values: Sequence[int]) -> int:
+    """Widest of 8/4/2/1 bytes dividing every value: staging kernels then move 8-byte words
+    instead of single bytes."""
+    for size in (8, 4, 2):
+        if all(v % size == 0 for v in values):
+            return size
+    return 1

@@ -1,0 +1,357 @@
+"""The pinned host pool of the cuda backend: the block-major HostPool, registered with CUDA
+chunk by chunk on a background thread.
+
+Why chunks on a thread: registering (page-locking) hundreds of GiB takes minutes, and the
+daemon must answer hello/status/ping from its first second. The pool's ``ready_bytes``
+is the prefix registered so far; status and metrics report it.
+
+The choice for swaps that touch the unpinned tail: they *wait* (asynchronously, on the
+event loop, never blocking it) until the pinner has passed their last host byte. Copying
+from pageable memory instead would make the DMA synchronous and slow, and would race the
+registration of the very pages being copied. Pinning walks the pool from offset 0, and
+engines hand out low host ids first, so waits are short in practice.
+
+If registration fails (RLIMIT_MEMLOCK, no memory), the pool stops pinning, logs the error,
+reports it in status, and serves the rest unpinned (correct, slower): ``ready_bytes``
+jumps to the capacity while ``pinned`` stays false.
+
+Pinned MAP_PRIVATE pages must not become copy-on-write in a forked child (the GPU would
+keep the parent's old page), so the mapping is marked MADV_DONTFORK. The pages are bound
+to the GPU's NUMA node (mbind, preferred policy) before the first touch, which is the
+registration itself.
+
+Nothing here imports torch at module import time; the scheduling logic is tested on CPU
+with a fake registrar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import mmap
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..host_cache import HostPool
+
+log = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every context, not only the caller's
+_MPOL_PREFERRED = 1
+_SYS_MBIND = {"x86_64": 237, "aarch64": 235}
+
+
+class Registrar(Protocol):
+    """Page-locks host ranges for DMA; raises RuntimeError on failure."""
+
+    def register(self, address: int, size: int) -> None: ...
+
+    def unregister(self, address: int) -> None: ...
+
+
+def chunk_spans(capacity: int, chunk: int) -> list[tuple[int, int]]:
+    """(offset, size) steps covering [0, capacity); sizes are whole pages except the last."""
+    step = max(PAGE, -(-chunk // PAGE) * PAGE)
+    return [(off, min(step, capacity - off)) for off in range(0, capacity, step)]
+
+
+class _Waiter:
+    __slots__ = ("end", "future", "loop")
+
+    def __init__(self, end: int, loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]) -> None:
+        self.end, self.loop, self.future = end, loop, future
+
+
+def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+class ChunkPinner:
+    """Registers [address, address + capacity) in chunks on its own thread.
+
+    Thread-safety: ``_state`` guards the progress fields and the waiter list and is only
+    ever held briefly (the event loop takes it); ``registering`` is held across each
+    cudaHostRegister call, so ``with pinner.registering`` excludes one (see discard()).
+    """
+
+    def __init__(
+        self,
+        address: int,
+        capacity: int,
+        chunk: int,
+        registrar: Registrar,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.address, self.capacity = address, capacity
+        self.spans = chunk_spans(capacity, chunk)
+        self.registrar = registrar
+        self.on_progress = on_progress
+        self.registering = threading.Lock()
+        self._state = threading.Lock()
+        self._changed = threading.Condition(self._state)
+        self._registered: list[tuple[int, int]] = []
+        self._waiters: list[_Waiter] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.pinned_bytes = 0  # registered prefix
+        self.ready_bytes = 0  # usable prefix: pinned_bytes, or capacity after a failure
+        self.error: str | None = None
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+
+    def start(self) -> None:
+        self.started_at = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="cx-pin", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for offset, size in self.spans:
+            if self._stop.is_set():
+                break
+            try:
+                with self.registering:
+                    self.registrar.register(self.address + offset, size)
+                    with self._state:
+                        self._registered.append((offset, size))
+            except Exception as exc:
+                self._fail(offset, exc)
+                break
+            self._advance(offset + size, offset + size)
+        self.finished_at = time.monotonic()
+        log.info("host pool: %s", self.describe())
+
+    def _fail(self, offset: int, exc: Exception) -> None:
+        self.error = f"{type(exc).__name__}: {exc}"
+        log.error(
+            "host pool: pinning stopped at byte %d of %d (%s); serving the rest unpinned (slower copies)",
+            offset, self.capacity, self.error,
+        )  # fmt: skip
+        self._advance(offset, self.capacity)
+
+    def _advance(self, pinned: int, ready: int) -> None:
+        with self._state:
+            self.pinned_bytes, self.ready_bytes = pinned, ready
+            due = [w for w in self._waiters if w.end <= ready]
+            self._waiters = [w for w in self._waiters if w.end > ready]
+            self._changed.notify_all()
+        for waiter in due:
+            _call_soon(waiter, None)
+        if self.on_progress is not None:
+            self.on_progress(ready, pinned)
+
+    def wait_ready(self, end: int, timeout_s: float) -> bool:
+        """Blocks until ``end`` bytes are usable; False on timeout or when pinning stopped short."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.ready_bytes >= end or self.done, timeout_s) and (
+                self.ready_bytes >= end
+            )
+
+    async def wait_ready_async(self, end: int) -> None:
+        """Returns once ``end`` bytes are usable; raises RuntimeError if the pool closes first."""
+        if self.ready_bytes >= end:
+            return
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self._state:
+            if self.ready_bytes >= end:
+                return
+            if self._stop.is_set():
+                raise RuntimeError("host pool is closed")
+            self._waiters.append(_Waiter(end, loop, future))
+        await future
+
+    @property
+    def done(self) -> bool:
+        return self.finished_at is not None
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Stops after the chunk in progress; fails the waiters still queued."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        with self._state:
+            waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            _call_soon(waiter, RuntimeError("host pool closed before this range was pinned"))
+
+    def unpin(self) -> None:
+        """Stops pinning and unregisters every chunk (only when no copy uses the pool)."""
+        self.stop()
+        with self.registering, self._state:
+            registered, self._registered = self._registered, []
+            self.pinned_bytes = 0
+        for offset, _ in reversed(registered):
+            try:
+                self.registrar.unregister(self.address + offset)
+            except Exception as exc:  # best effort at shutdown
+                log.warning("host pool: unregister at offset %d failed: %s", offset, exc)
+
+    def describe(self) -> dict[str, Any]:
+        end = self.finished_at if self.finished_at is not None else time.monotonic()
+        elapsed = end - self.started_at if self.started_at is not None else 0.0
+        return {
+            "pinned_bytes": self.pinned_bytes,
+            "capacity_bytes": self.capacity,
+            "chunks": len(self.spans),
+            "done": self.done,
+            "seconds": round(elapsed, 3),
+            "gib_per_s": round(self.pinned_bytes / elapsed / (1 << 30), 3) if elapsed > 0 else 0.0,
+            "error": self.error,
+        }
+
+
+def _call_soon(waiter: _Waiter, error: BaseException | None) -> None:
+    try:
+        waiter.loop.call_soon_threadsafe(_resolve, waiter.future, error)
+    except RuntimeError:
+        pass  # the loop is closed: nobody waits any more
+
+
+class PinnedHostPool(HostPool):
+    """HostPool whose ready prefix grows as a ChunkPinner registers it."""
+
+    def __init__(
+        self,
+        capacity: int,
+        registrar: Registrar,
+        chunk: int,
+        numa_node: int | None = None,
+        start: bool = True,
+    ) -> None:
+        super().__init__(capacity)
+        if hasattr(mmap, "MADV_DONTFORK"):
+            self._map.madvise(mmap.MADV_DONTFORK)
+        self.numa_node = numa_node
+        self.numa_error: str | None = None
+        if numa_node is not None:
+            self.numa_error = try_bind_memory(self.address, capacity, numa_node)
+        self.ready_bytes = 0
+        self.pinner = ChunkPinner(self.address, capacity, chunk, registrar, self._on_progress)
+        if start:
+            self.pinner.start()
+
+    def _on_progress(self, ready: int, pinned: int) -> None:
+        self.ready_bytes = ready
+        self.pinned = pinned == self.capacity
+
+    async def wait_ready_async(self, end: int) -> None:
+        await self.pinner.wait_ready_async(end)
+
+    def wait_ready(self, end: int, timeout_s: float) -> bool:
+        return self.pinner.wait_ready(end, timeout_s)
+
+    def discard(self) -> None:
+        """Gives back only pages not registered yet: dropping a pinned page would leave the
+        GPU with the old page and the process with a new zero page. May wait for the one
+        registration in progress (call it off the event loop)."""
+        with self.pinner.registering:
+            start = -(-self.pinner.pinned_bytes // PAGE) * PAGE
+            if self.pinner.error is None and start < self.capacity:
+                self._map.madvise(mmap.MADV_DONTNEED, start, self.capacity - start)
+
+    def close(self) -> None:
+        self.pinner.unpin()
+        self.pinned = False
+
+    def describe_pinning(self) -> dict[str, Any]:
+        return {**self.pinner.describe(), "numa_node": self.numa_node, "numa_error": self.numa_error}
+
+
+# NUMA -----------------------------------------------------------------------------------
+
+
+def normalize_bus_id(bus_id: str) -> str:
+    """'00000000:65:00.0' (nvidia-smi), '0000:65:00.0' (CUDA) or '65:00.0' -> '0000:65:00.0' (sysfs)."""
+    parts = bus_id.strip().lower().split(":")
+    if len(parts) == 2:
+        parts.insert(0, "0")
+    if len(parts) != 3 or "." not in parts[2]:
+        raise ValueError(f"not a PCI bus id: {bus_id!r}")
+    return f"{int(parts[0], 16):04x}:{int(parts[1], 16):02x}:{parts[2]}"
+
+
+def pci_numa_node(bus_id: str, sysfs: str = "/sys") -> int | None:
+    """The NUMA node sysfs reports for a PCI device; None where it reports none (-1)."""
+    try:
+        text = (Path(sysfs) / "bus/pci/devices" / normalize_bus_id(bus_id) / "numa_node").read_text()
+        node = int(text.strip())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
+def node_mask(node: int) -> tuple[ctypes.Array[ctypes.c_ulong], int]:
+    """(mask words, maxnode) for mbind: one bit set for ``node``."""
+    bits = ctypes.sizeof(ctypes.c_ulong) * 8
+    words = node // bits + 1
+    mask = (ctypes.c_ulong * words)()
+    mask[node // bits] = 1 << (node % bits)
+    return mask, words * bits + 1  # the kernel reads maxnode - 1 bits
+
+
+def bind_memory(address: int, length: int, node: int) -> None:
+    """mbind(MPOL_PREFERRED): pages faulted in later come from ``node`` while it has room."""
+    number = _SYS_MBIND.get(platform.machine())
+    if number is None:
+        raise OSError(f"mbind syscall number unknown on {platform.machine()}")
+    mask, maxnode = node_mask(node)
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.syscall(
+        ctypes.c_long(number), ctypes.c_void_p(address), ctypes.c_ulong(length),
+        ctypes.c_int(_MPOL_PREFERRED), mask, ctypes.c_ulong(maxnode), ctypes.c_uint(0),
+    )  # fmt: skip
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mbind to node {node}: {os.strerror(err)}")
+
+
+def try_bind_memory(address: int, length: int, node: int) -> str | None:
+    """Binds, or returns why not (containers often refuse mbind; the pool still works)."""
+    try:
+        bind_memory(address, length, node)
+    except OSError as exc:
+        log.warning("host pool: NUMA binding to node %d failed (%s); pages go where the kernel puts them", node, exc)
+        return str(exc)
+    log.info("host pool: bound to NUMA node %d", node)
+    return None
+
+
+class CudartRegistrar:
+    """cudaHostRegister / cudaHostUnregister through torch.cuda.cudart() (no cuda-python)."""
+
+    def __init__(self, device_index: int, flags: int = HOST_REGISTER_PORTABLE) -> None:
+        self.device_index = device_index
+        self.flags = flags
+
+    def register(self, address: int, size: int) -> None:
+        import torch
+
+        # The calling thread needs this device current, or the runtime would create a
+        # context on device 0 for it.
+        with torch.cuda.device(self.device_index):
+            cudart = torch.cuda.cudart()
+            self._check(cudart, cudart.cudaHostRegister(address, size, self.flags), f"cudaHostRegister({size} bytes)")
+
+    def unregister(self, address: int) -> None:
+        import torch
+
+        with torch.cuda.device(self.device_index):
+            cudart = torch.cuda.cudart()
+            self._check(cudart, cudart.cudaHostUnregister(address), "cudaHostUnregister")
+
+    @staticmethod
+    def _check(cudart: Any, err: Any, what: str) -> None:
+        if int(err) != 0:
+            raise RuntimeError(f"{what} failed: {cudart.cudaGetErrorString(err)}")

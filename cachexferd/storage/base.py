@@ -1,0 +1,101 @@
+"""The small interface every storage backend implements.
+
+A backend moves whole objects (header + one host block) between the daemon's host pool and
+a store, by name. Every method is blocking and thread-safe: the daemon calls them from its
+storage I/O threads, several at once, never from the event loop. Payload buffers are
+memoryviews straight into the host pool (``address`` is the same memory as an integer
+pointer, for backends that register the pool, like Mooncake).
+
+Failure model:
+- a whole call that cannot reach the store raises ``StorageUnavailable`` (the daemon keeps
+  serving, answers STORAGE_UNAVAILABLE, and tries again on the next command);
+- a call the store answered too slowly raises ``StorageTimeoutError`` (STORAGE_TIMEOUT);
+- anything else the store refused as a whole raises ``StorageFailure`` (STORAGE_ERROR);
+- per-object problems are results, not exceptions: ``put`` returns a reason per failed
+  object, ``get`` a status per object (a missing object is a normal miss).
+
+``stop`` is set when the daemon no longer wants a call's result (timeout, cancel): a backend
+checks it between objects and must not write into host memory once it is set.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+
+class StorageUnavailable(Exception):
+    """The store cannot be reached (down, refused, still connecting)."""
+
+
+class StorageTimeoutError(Exception):
+    """The store did not answer in time."""
+
+
+class StorageFailure(Exception):
+    """The store answered a whole call with an error."""
+
+
+class GetStatus(str, Enum):
+    OK = "ok"  # header + payload delivered; the caller still verifies them
+    MISSING = "missing"  # never stored, deleted or evicted: a normal miss
+    MISMATCH = "mismatch"  # the stored object has another size
+    FAILED = "failed"  # the store failed for this object (detail says why)
+
+
+@dataclass(slots=True)
+class PutItem:
+    name: str
+    header: bytes
+    payload: memoryview  # one host block, read-only use
+    address: int  # pointer to payload
+
+
+@dataclass(slots=True)
+class GetItem:
+    name: str
+    payload: memoryview  # one host block to fill
+    address: int  # pointer to payload
+
+
+@dataclass(slots=True)
+class GetResult:
+    status: GetStatus
+    header: bytes = b""
+    received: int = 0  # bytes the store delivered, header included
+    detail: str = ""
+
+
+MISSING = GetResult(GetStatus.MISSING)
+
+
+class StorageBackend(ABC):
+    name: str
+
+    def start(self) -> None:
+        """Begins connecting (in the background for remote stores); never blocks for long."""
+
+    @abstractmethod
+    def put(self, items: list[PutItem], stop: threading.Event) -> list[str | None]:
+        """Writes each object; returns None per stored object, else the reason it was not."""
+
+    @abstractmethod
+    def get(self, items: list[GetItem], stop: threading.Event) -> list[GetResult]:
+        """Reads each object: header into the result, payload into ``item.payload``."""
+
+    @abstractmethod
+    def exists(self, names: list[str]) -> list[bool]:
+        """Presence of each object (may stop early: entries after the first False may be False)."""
+
+    @abstractmethod
+    def delete(self, names: list[str]) -> int:
+        """Removes the objects; returns how many existed and were removed."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name}
+
+    def close(self) -> None:
+        """Releases connections and registrations; called once, after the last call returned."""

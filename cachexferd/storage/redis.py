@@ -1,0 +1,189 @@
+"""The ``redis`` backend: Redis or Valkey through redis-py, one string value per object.
+
+Writes are pipelined SETs. The value is sent from two buffers (the 64-byte header and the
+host block itself) as one RESP bulk string, so a block is never concatenated into a new
+bytes object on the way out. Reads are pipelined MGETs, chunked to bound client memory;
+each value is checked and copied into its host block. Presence is pipelined EXISTS; delete
+is UNLINK (the server frees memory off its main thread).
+
+Redis is a cache here: run it with ``maxmemory`` and an LRU policy; an evicted key is a
+normal miss, and a SET refused for memory (OOM) is a per-object store failure.
+Connection errors become StorageUnavailable; redis-py reconnects on the next call, so the
+daemon recovers by itself when the server returns.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from .base import (
+    MISSING,
+    GetItem,
+    GetResult,
+    GetStatus,
+    PutItem,
+    StorageBackend,
+    StorageFailure,
+    StorageTimeoutError,
+    StorageUnavailable,
+)
+from .objects import HEADER_BYTES
+
+if TYPE_CHECKING:
+    import redis as redis_lib
+
+    from ..config import Config
+
+_MGET_BYTES = 64 << 20  # value bytes one MGET may bring back
+_PIPELINE_KEYS = 1024  # keys per EXISTS / UNLINK pipeline round trip
+
+
+def _bulk(data: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+class RedisBackend(StorageBackend):
+    name = "redis"
+
+    def __init__(self, url: str, timeout_s: float, max_connections: int) -> None:
+        import redis as redis_lib
+
+        self._redis_lib = redis_lib
+        self.url = url
+        self.client: redis_lib.Redis = redis_lib.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=min(timeout_s, 2.0),
+            max_connections=max_connections,
+            retry_on_timeout=False,
+        )
+        self._state = "unknown"
+
+    @contextmanager
+    def _connection(self) -> Iterator[Any]:
+        """A pooled connection; redis-py errors become the storage exceptions."""
+        errors = self._redis_lib.exceptions
+        pool = self.client.connection_pool
+        try:
+            conn = pool.get_connection()
+        except errors.TimeoutError as exc:
+            raise self._down(StorageTimeoutError, exc) from None
+        except (errors.ConnectionError, OSError) as exc:
+            raise self._down(StorageUnavailable, exc) from None
+        try:
+            yield conn
+            self._state = "ready"
+        except errors.TimeoutError as exc:
+            conn.disconnect()
+            raise self._down(StorageTimeoutError, exc) from None
+        except (errors.ConnectionError, OSError) as exc:
+            conn.disconnect()
+            raise self._down(StorageUnavailable, exc) from None
+        except errors.RedisError as exc:
+            conn.disconnect()
+            raise StorageFailure(f"redis: {exc}") from None
+        finally:
+            pool.release(conn)
+
+    def _down(self, kind: type[Exception], exc: BaseException) -> Exception:
+        self._state = "unavailable"
+        return kind(f"redis at {_redacted(self.url)}: {exc}")
+
+    def _responses(self, conn: Any, count: int) -> list[Any]:
+        """Reads ``count`` replies; an error reply is returned in place, not raised."""
+        out: list[Any] = []
+        for _ in range(count):
+            try:
+                out.append(conn.read_response())
+            except self._redis_lib.exceptions.ResponseError as exc:
+                out.append(exc)
+        return out
+
+    def start(self) -> None:
+        pass  # redis-py connects on first use; nothing to do ahead of time
+
+    def put(self, items: list[PutItem], stop: threading.Event) -> list[str | None]:
+        with self._connection() as conn:
+            for item in items:
+                total = len(item.header) + len(item.payload)
+                head = b"*3\r\n$3\r\nSET\r\n" + _bulk(item.name.encode()) + b"$%d\r\n" % total
+                conn.send_packed_command([head, item.header, item.payload, b"\r\n"], check_health=False)
+            replies = self._responses(conn, len(items))
+        return [None if reply in (True, b"OK", "OK") else f"redis: {reply}" for reply in replies]
+
+    def get(self, items: list[GetItem], stop: threading.Event) -> list[GetResult]:
+        results: list[GetResult] = []
+        for chunk in _chunks_by_bytes(items, HEADER_BYTES + max((len(i.payload) for i in items), default=0)):
+            if stop.is_set():
+                results += [GetResult(GetStatus.FAILED, detail="stopped")] * len(chunk)
+                continue
+            with self._connection() as conn:
+                conn.send_command("MGET", *[item.name for item in chunk], check_health=False)
+                values = conn.read_response()
+            results += [self._place(item, value, stop) for item, value in zip(chunk, values)]
+        return results
+
+    @staticmethod
+    def _place(item: GetItem, value: bytes | None, stop: threading.Event) -> GetResult:
+        if value is None:
+            return MISSING
+        if len(value) != HEADER_BYTES + len(item.payload):
+            return GetResult(GetStatus.MISMATCH, bytes(value[:HEADER_BYTES]), len(value), f"object is {len(value)} bytes")
+        if stop.is_set():  # the daemon gave up on this call: leave host memory alone
+            return GetResult(GetStatus.FAILED, detail="stopped")
+        item.payload[:] = memoryview(value)[HEADER_BYTES:]
+        return GetResult(GetStatus.OK, value[:HEADER_BYTES], len(value))
+
+    def exists(self, names: list[str]) -> list[bool]:
+        found: list[bool] = []
+        with self._connection() as conn:
+            for start in range(0, len(names), _PIPELINE_KEYS):
+                chunk = names[start : start + _PIPELINE_KEYS]
+                conn.send_packed_command(conn.pack_commands([("EXISTS", n) for n in chunk]), check_health=False)
+                found += [reply == 1 for reply in self._responses(conn, len(chunk))]
+                if not all(found):
+                    break  # a prefix query needs nothing past the first miss
+        return found + [False] * (len(names) - len(found))
+
+    def delete(self, names: list[str]) -> int:
+        removed = 0
+        with self._connection() as conn:
+            for start in range(0, len(names), _PIPELINE_KEYS):
+                conn.send_command("UNLINK", *names[start : start + _PIPELINE_KEYS], check_health=False)
+                removed += int(conn.read_response())
+        return removed
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "url": _redacted(self.url), "state": self._state}
+
+    def close(self) -> None:
+        self.client.close()
+        self.client.connection_pool.disconnect()
+
+
+def _chunks_by_bytes(items: list[GetItem], object_bytes: int) -> Iterator[list[GetItem]]:
+    per_chunk = max(1, _MGET_BYTES // max(1, object_bytes))
+    for start in range(0, len(items), per_chunk):
+        yield items[start : start + per_chunk]
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password, for logs and status."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return parts._replace(netloc=netloc).geturl()
+
+
+def create(config: Config) -> RedisBackend:
+    url = config.storage.url or "redis://127.0.0.1:6379/0"
+    return RedisBackend(url, config.storage.timeout_s, max_connections=config.storage.io_threads + 4)
+
+
+def _check_import() -> redis_lib.Redis:  # pragma: no cover - typing aid only
+    raise NotImplementedError

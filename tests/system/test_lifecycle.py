@@ -1,0 +1,193 @@
+"""Shutdown with work in flight, restarts, runner death, config errors, the status CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cachexferd.client import EngineClient, RunnerClient, ShmKVCache
+from cachexferd.launch import DaemonProcess
+from cachexferd.protocol import ErrorCode, KVLayout, SwapIn, SwapOut
+
+from ..helpers import SMALL, RawClient, fill_random
+
+Spawn = Callable[..., DaemonProcess]
+BIG = KVLayout(num_layers=8, num_blocks=512, block_size=32, num_kv_heads=4, head_dim=64, dtype="bfloat16")
+
+
+def _wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def test_shutdown_gives_every_accepted_command_one_outcome(spawn_daemon: Spawn, short_tmp: Path) -> None:
+    daemon = spawn_daemon(settings={"host_cache.capacity": "160MiB", "daemon.drain_timeout_s": 0.0})
+    with ShmKVCache(BIG) as cache, RunnerClient(daemon.endpoint) as runner:
+        runner.attach(cache)
+        raw = RawClient(daemon.endpoint, short_tmp)
+        try:
+            assert raw.hello().ok
+            sent = 0
+            for i in range(1, 121):  # conflicting chains keep many commands queued
+                ids = list(range(0, 128))
+                cmd = SwapOut if i % 2 else SwapIn
+                raw.send_cmd(cmd(req_id=i, device_ids=ids if i % 2 else list(range(200, 328)), host_ids=ids))
+                sent += 1
+            daemon.signal(signal.SIGTERM)
+            outcomes = {}
+            deadline = time.monotonic() + 30
+            while len(outcomes) < sent and time.monotonic() < deadline:
+                event = raw.event(timeout_s=max(0.1, deadline - time.monotonic()))
+                assert event.req_id not in outcomes, f"second outcome for req_id {event.req_id}"
+                outcomes[event.req_id] = event
+            assert sorted(outcomes) == list(range(1, sent + 1))
+            codes = {ErrorCode(o.code) for o in outcomes.values()}
+            assert codes <= {ErrorCode.OK, ErrorCode.SHUTTING_DOWN}, codes
+            assert ErrorCode.SHUTTING_DOWN in codes  # drain timeout 0: queued work was failed
+            assert raw.nothing_more(0.3)
+        finally:
+            raw.close()
+    assert daemon.proc is not None and daemon.proc.wait(30) == 0
+    assert not Path(daemon.endpoint[len("ipc://") :]).exists(), "ipc socket file left behind"
+
+
+def test_sigint_drains_and_exits_zero(spawn_daemon: Spawn) -> None:
+    daemon = spawn_daemon()
+    daemon.signal(signal.SIGINT)
+    assert daemon.proc is not None and daemon.proc.wait(20) == 0
+    assert "stopped" in daemon.log_tail()
+
+
+def test_restart_is_detected_and_client_recovers(spawn_daemon: Spawn) -> None:
+    daemon = spawn_daemon()
+    cache = ShmKVCache(SMALL)
+    fill_random(cache, seed=2)
+    try:
+        with RunnerClient(daemon.endpoint) as runner:
+            runner.attach(cache)
+        with EngineClient([daemon.endpoint], timeout_s=15, heartbeat_s=0.2) as engine:
+            engine.connect()
+            daemon.kill()
+            lost = engine.swap_out([1], [1])  # queued for a daemon that is gone
+            daemon.start()  # same runtime dir and endpoint, new boot id
+            done = engine.wait([lost], timeout_s=20)[lost]
+            assert done.errors[0][0] in ("DAEMON_RESTARTED", "CLIENT_TIMEOUT"), done.describe()
+            with RunnerClient(daemon.endpoint) as runner:
+                runner.attach(cache)
+            _wait_for(lambda: engine.poll() == [] and engine.core.boot_ids[0] is not None, 10, "re-hello")
+            again = engine.swap_out([1], [1])
+            assert engine.wait([again], timeout_s=20)[again].ok
+    finally:
+        cache.close()
+
+
+RUNNER = textwrap.dedent(
+    """
+    import sys, time
+    from cachexferd.client import RunnerClient, ShmKVCache
+    from cachexferd.protocol import KVLayout
+    cache = ShmKVCache(KVLayout(**{layout!r}))
+    RunnerClient(sys.argv[1]).attach(cache)
+    print(cache.name, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_runner_death_detaches(spawn_daemon: Spawn) -> None:
+    daemon = spawn_daemon()
+    code = RUNNER.format(layout=SMALL.to_wire())
+    runner = subprocess.Popen([sys.executable, "-c", code, daemon.endpoint], stdout=subprocess.PIPE)
+    try:
+        assert runner.stdout is not None
+        name = runner.stdout.readline().decode().strip()
+        assert name, "runner did not attach"
+        status = RunnerClient(daemon.endpoint)
+        try:
+            assert status.status()["device"]["state"] == "attached"
+            runner.kill()
+            _wait_for(lambda: status.status()["device"]["state"] == "detached", 10, "auto-detach")
+            assert status.status()["device"].get("mappings", 0) == 0
+        finally:
+            status.close()
+    finally:
+        runner.kill()
+        runner.wait(10)
+        Path(f"/dev/shm/{name}").unlink(missing_ok=True)
+    assert "exited; detaching" in daemon.log_tail(50)
+
+
+def test_invalid_config_exits_before_binding(short_tmp: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "cachexferd", "serve", "--set", f"daemon.runtime_dir={short_tmp}", "--set", "host_cache.capacity=lots"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "host_cache.capacity" in proc.stderr and "not a size" in proc.stderr
+    assert not (short_tmp / "cmd.sock").exists()
+
+
+def test_second_daemon_on_same_runtime_dir_is_refused(spawn_daemon: Spawn) -> None:
+    first = spawn_daemon()
+    second = DaemonProcess(first.runtime_dir, settings={"metrics.port": 0})
+    with pytest.raises(Exception, match="another cachexferd is running"):
+        second.start(timeout_s=30)
+    assert RunnerClient(first.endpoint).status()["state"] == "running"
+
+
+def test_status_cli(spawn_daemon: Spawn) -> None:
+    daemon = spawn_daemon(rank=3)
+    out = subprocess.run(
+        [sys.executable, "-m", "cachexferd", "status", "--endpoint", daemon.endpoint],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "rank 3" in out.stdout and "device cache  detached" in out.stdout and "host cache" in out.stdout
+    missing = subprocess.run(
+        [sys.executable, "-m", "cachexferd", "status", "--endpoint", "ipc:///nonexistent/x.sock", "--timeout", "0.5"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 1 and "no status" in missing.stderr
+
+
+def test_resident_memory_beyond_host_cache(spawn_daemon: Spawn) -> None:
+    capacity = 64 << 20
+    daemon = spawn_daemon(settings={"host_cache.capacity": capacity})
+    with ShmKVCache(SMALL) as cache, RunnerClient(daemon.endpoint) as runner, runner.attached(cache) as info:
+        with EngineClient([daemon.endpoint]) as engine:
+            engine.connect()
+            host_blocks = info["host_blocks"]
+            reqs = [
+                engine.swap_out([b % SMALL.num_blocks for b in range(start, start + 48)], list(range(start, start + 48)))
+                for start in range(0, host_blocks - 48, 48)
+            ]
+            assert all(c.ok for c in engine.wait(reqs, timeout_s=60).values())
+    assert daemon.proc is not None
+    rss = _rss_bytes(daemon.proc.pid)
+    beyond = rss - capacity
+    print(f"daemon RSS {rss / 2**20:.0f} MiB with a {capacity >> 20} MiB host cache: {beyond / 2**20:.0f} MiB beyond it")
+    assert beyond < 300 << 20
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+os.environ.setdefault("PYTHONUNBUFFERED", "1")

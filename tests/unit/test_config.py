@@ -1,0 +1,84 @@
+"""Config layering (file < env < flags), validation and error messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cachexferd.config import ConfigError, describe, load_config, parse_size
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_sizes() -> None:
+    assert parse_size(4096) == 4096
+    assert parse_size("64GiB") == 64 << 30
+    assert parse_size("1.5 MB") == 1_500_000
+    assert parse_size("512") == 512
+    for bad in ("12XB", "-1", "GiB", True, 1.5):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_precedence(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[daemon]\nrank = 1\nlog_level = "debug"\n[host_cache]\ncapacity = "2GiB"\n')
+    env = {"CACHEXFERD_DAEMON_RANK": "2", "CACHEXFERD_HOST_CACHE_COPY_THREADS": "3"}
+    config = load_config(path, {"daemon.rank": "5"}, env)
+    assert config.daemon.rank == 5  # flag beats env beats file
+    assert config.daemon.log_level == "debug"
+    assert config.host_cache.capacity == 2 << 30
+    assert config.host_cache.copy_threads == 3
+    assert config.metrics_port == 9405
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"daemon.rnak": 1}, "did you mean 'rank'"),
+        ({"deamon.rank": 1}, "did you mean 'daemon'"),
+        ({"daemon.rank": "-1"}, "below the minimum"),
+        ({"daemon.rank": "one"}, "daemon.rank (from flag daemon.rank)"),
+        ({"daemon.backend": "tpu"}, "not one of"),
+        ({"daemon.endpoint": "tcp://10.0.0.1:5555"}, "LOOPBACK"),
+        ({"daemon.endpoint": "udp://x"}, "ipc://PATH"),
+        ({"host_cache.capacity": "1KiB"}, "below the minimum"),
+        ({"metrics.port": "70000"}, "above the maximum"),
+        ({"metrics.enabled": "maybe"}, "expected a bool"),
+        ({"norank": 1}, "table.key=value"),
+    ],
+)
+def test_invalid_values_name_key_and_source(overrides: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides, {})
+    assert needle in str(info.value)
+
+
+def test_bad_env_and_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="env CACHEXFERD_HOST_CACHE_CAPACITY"):
+        load_config(None, None, {"CACHEXFERD_HOST_CACHE_CAPACITY": "lots"})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml", None, {})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[daemon\nrank=1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad, None, {})
+    flat = tmp_path / "flat.toml"
+    flat.write_text("rank = 1\n")
+    with pytest.raises(ConfigError, match="must be a \\[table\\]"):
+        load_config(flat, None, {})
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.toml")))
+def test_shipped_configs_load(name: str) -> None:
+    config = load_config(REPO / "configs" / name, None, {})
+    assert config.host_cache.capacity > 0
+
+
+def test_every_setting_is_documented() -> None:
+    rows = describe()
+    assert rows and all(doc for _, _, doc in rows)
+    docs = (REPO / "docs" / "operations.md").read_text()
+    missing = [key for key, _, _ in rows if f"`{key}`" not in docs]
+    assert not missing, f"settings missing from docs/operations.md: {missing}"
