@@ -99,10 +99,28 @@ class CudaConfig:
         default=1 << 30, metadata=_meta("bytes registered per pinning step", kind="size", lo=1 << 20)
     )
     numa_node: int = field(default=-1, metadata=_meta("NUMA node for the host cache; -1: the GPU's node", lo=-1))
-    copy_method: str = field(default="auto", metadata=_meta("auto, dma (2D memcpy per run) or staging (gather/scatter on the device); see docs/cuda.md", choices=("auto", "dma", "staging")))
-    memcpy_api: str = field(default="auto", metadata=_meta("2D memcpy binding: auto, cuda-python, ctypes (torch's libcudart), torch (none: stage every swap)", choices=("auto", "cuda-python", "ctypes", "torch")))
-    staging_below: int = field(default=64 << 10, metadata=_meta("auto stages a swap when direct DMA would average fewer bytes per call", kind="size"))
-    batch_bytes: int = field(default=64 << 20, metadata=_meta("bytes enqueued per batch (cancel checkpoint; staging buffer size)", kind="size", lo=1 << 20))
+    copy_method: str = field(
+        default="auto",
+        metadata=_meta(
+            "auto, dma (2D memcpy per run) or staging (device gather/scatter); docs/cuda.md",
+            choices=("auto", "dma", "staging"),
+        ),
+    )
+    memcpy_api: str = field(
+        default="auto",
+        metadata=_meta(
+            "2D memcpy binding: auto, cuda-python, ctypes (torch's libcudart), torch (none: stage all)",
+            choices=("auto", "cuda-python", "ctypes", "torch"),
+        ),
+    )
+    staging_below: int = field(
+        default=64 << 10,
+        metadata=_meta("auto stages a swap when direct DMA averages fewer bytes per call", kind="size"),
+    )
+    batch_bytes: int = field(
+        default=64 << 20,
+        metadata=_meta("bytes enqueued per batch (cancel checkpoint, staging buffer size)", kind="size", lo=1 << 20),
+    )
 
 
 @dataclass(frozen=True)
@@ -123,6 +141,9 @@ class StorageConfig:
     )
     timeout_s: float = field(default=10.0, metadata=_meta("limit on every storage wait", lo=0.001))
     namespace: str = field(default="", metadata=_meta("prefix for every object name (isolates deployments)"))
+    io_threads: int = field(
+        default=4, metadata=_meta("storage I/O threads: backend calls that run at once", lo=1, hi=64)
+    )
 
 
 @dataclass(frozen=True)
@@ -309,3 +330,12 @@ def describe() -> list[tuple[str, Any, str]]:
             default = fld.default if fld.default is not dataclasses.MISSING else None
             rows.append((f"{table}.{fld.name}", default, fld.metadata["doc"]))
     return rows
+
+
+def settings_markdown() -> str:
+    """The settings table of docs/operations.md (kept in sync by a test)."""
+    lines = ["| setting | default | meaning |", "|---|---|---|"]
+    for key, default, doc in describe():
+        shown = f"`{default!r}`" if not isinstance(default, bool) else f"`{str(default).lower()}`"
+        lines.append(f"| `{key}` | {shown} | {doc.replace('|', '/')} |")
+    return "\n".join(lines)

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 _FOREACH_BATCH = 512  # single-block copies per _foreach_copy_ call (bounds cancel latency)
+_MIN_SHARD_BYTES = 2 << 20  # below this, handing work to another thread costs more than it saves
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,9 @@ class CpuDeviceCache(DeviceCache):
         self, direction: Direction, device_ids: Sequence[int], host_ids: Sequence[int], cancel: CancelToken
     ) -> int:
         pool = self._backend.pools[direction]
-        shards = shard(coalesce(device_ids, host_ids), self._backend.copy_threads)
+        total = len(device_ids) * self.layout.host_block_bytes
+        parts = max(1, min(self._backend.copy_threads, total // _MIN_SHARD_BYTES))
+        shards = shard(coalesce(device_ids, host_ids), parts)
         futures = [asyncio.wrap_future(pool.submit(self._copy_shard, direction, s, cancel)) for s in shards]
         results = await asyncio.gather(*futures, return_exceptions=True)
         for result in results:

@@ -31,7 +31,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..host_cache import HostGeometry, HostPool
-from ..protocol import ErrorCode, KVLayout
+from ..protocol import KVLayout
 from .base import AttachError, Backend, CancelToken, DeviceCache, Direction
 from .cuda_copy import (
     Copy2D,
@@ -43,18 +43,7 @@ from .cuda_copy import (
     plan_staging,
     split_runs,
 )
-from .cuda_ipc import (
-    ImportWatch,
-    PendingCounters,
-    SharedStorage,
-    TorchStorageOps,
-    check_runner_tensors,
-    decode_storages,
-    decode_tensors,
-    open_storages,
-    resolve_device,
-    visible_uuids,
-)
+from .cuda_ipc import ImportWatch, TorchStorageOps, check_runner_tensors, import_handles, resolve_device, visible_uuids
 from .cuda_pool import CudartRegistrar, PinnedHostPool, pci_numa_node
 from .cuda_runtime import EventWaiter, Memcpy, load_memcpy
 from .cuda_stage import DeviceTensor, Stager, from_tensors
@@ -279,8 +268,9 @@ class CudaBackend(Backend):
 
     def _pci_bus_id(self) -> str | None:
         props = torch.cuda.get_device_properties(self.device_index)
-        if hasattr(props, "pci_bus_id") and hasattr(props, "pci_domain_id"):
-            return f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        ids = [getattr(props, f"pci_{name}_id", None) for name in ("domain", "bus", "device")]
+        if all(type(i) is int for i in ids):  # torch builds that expose them
+            return f"{ids[0]:04x}:{ids[1]:02x}:{ids[2]:02x}.0"
         try:
             return self.memcpy.pci_bus_id(self.device_index) if self.memcpy is not None else None
         except RuntimeError as exc:
@@ -290,30 +280,19 @@ class CudaBackend(Backend):
     def import_device_cache(
         self, layout: KVLayout, device: dict[str, Any], pool: HostPool, geometry: HostGeometry
     ) -> DeviceCache:
-        uuid, storages = decode_storages(device)
-        ops, pending = TorchStorageOps(), PendingCounters(storages)
-        try:
-            if uuid != self.device_uuid:
-                raise AttachError(f"the runner's cache is on {uuid}; this daemon serves {self.device_uuid}")
-            refs = decode_tensors(device, storages, layout)
-            opened = self._open(storages, ops, pending)
-        except BaseException:
-            pending.release_rest(ops)  # the runner's allocator waits for every counter
-            raise
-        tensors = [DeviceTensor(opened[r.storage], r.offset) for r in refs]
-        watch = ImportWatch(storages, opened, StorageWeakRef)
-        return CudaDeviceCache(self, layout, tensors, pool, geometry, watch)
-
-    def _open(self, storages: list[SharedStorage], ops: TorchStorageOps, pending: PendingCounters) -> list[Any]:
         try:
             with torch.cuda.device(self.device_index):
-                opened = open_storages(self.device_index, storages, ops, pending)
+                storages, refs, opened = import_handles(
+                    device, layout, self.device_uuid, self.device_index, TorchStorageOps()
+                )
                 # The import queued a wait for the producer's last write on this thread's
                 # current stream; the cache is usable once that has passed.
                 torch.cuda.current_stream(self.device_index).synchronize()
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # torch's import failed (dead runner, foreign handle)
             raise AttachError(f"cannot import the CUDA IPC handles: {exc}") from None
-        return opened
+        tensors = [DeviceTensor(opened[r.storage], r.offset) for r in refs]
+        watch = ImportWatch(storages, opened, StorageWeakRef)
+        return CudaDeviceCache(self, layout, tensors, pool, geometry, watch)
 
     def local_device_cache(
         self, layout: KVLayout, tensors: Sequence[torch.Tensor], pool: HostPool, geometry: HostGeometry

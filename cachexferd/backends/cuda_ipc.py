@@ -28,6 +28,7 @@ the import bookkeeping with fakes.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -187,7 +188,7 @@ def check_overlaps(storages: Sequence[SharedStorage], tensors: Sequence[TensorRe
     spans = sorted(
         (storages[t.storage].handle, storages[t.storage].offset + t.offset, i) for i, t in enumerate(tensors)
     )
-    for (h1, start1, i1), (h2, start2, i2) in zip(spans, spans[1:]):
+    for (h1, start1, i1), (h2, start2, i2) in itertools.pairwise(spans):
         if h1 == h2 and start2 < start1 + tensor_bytes:
             raise _bad(f"device.tensors[{i1}] and device.tensors[{i2}] overlap")
 
@@ -242,6 +243,25 @@ def open_storages(
     return result
 
 
+def import_handles(
+    device: Any, layout: KVLayout, device_uuid: str, device_index: int, ops: StorageOps
+) -> tuple[list[SharedStorage], list[TensorRef], list[Any]]:
+    """Validates and opens an attach's handles: (storages, tensor refs, opened storage per
+    entry). Whatever is refused after the counters are known, every counter not owned by
+    an opened storage is released before the error propagates."""
+    uuid, storages = decode_storages(device)
+    pending = PendingCounters(storages)
+    try:
+        if uuid != device_uuid:
+            raise AttachError(f"the runner's cache is on {uuid}; this daemon serves {device_uuid}")
+        refs = decode_tensors(device, storages, layout)
+        opened = open_storages(device_index, storages, ops, pending)
+    except BaseException:
+        pending.release_rest(ops)  # the runner's allocator keeps the memory until each is released
+        raise
+    return storages, refs, opened
+
+
 class TorchStorageOps:
     """Opens storages with torch's own CUDA IPC import (the same calls its tensor reductions
     use, fed from msgpack fields instead of a pickle)."""
@@ -250,7 +270,7 @@ class TorchStorageOps:
         import torch
 
         event = storage.event or bytes(EVENT_HANDLE_BYTES)
-        return torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+        return torch.UntypedStorage._new_shared_cuda(
             device_index,
             storage.handle,
             storage.size,
@@ -264,7 +284,7 @@ class TorchStorageOps:
     def release(self, storage: SharedStorage) -> None:
         import torch
 
-        torch.UntypedStorage._release_ipc_counter_cuda(storage.ref_counter, storage.ref_counter_offset)  # type: ignore[attr-defined]
+        torch.UntypedStorage._release_ipc_counter_cuda(storage.ref_counter, storage.ref_counter_offset)
 
 
 class ImportWatch:
@@ -283,7 +303,7 @@ class ImportWatch:
 
 def export_storage(storage: torch.UntypedStorage) -> SharedStorage:
     """One ``_share_cuda_`` call: bumps torch's ref counter, which the daemon releases."""
-    (_, handle, size, offset, ref_counter, ref_counter_offset, event, event_sync) = storage._share_cuda_()  # type: ignore[attr-defined]
+    (_, handle, size, offset, ref_counter, ref_counter_offset, event, event_sync) = storage._share_cuda_()
     return SharedStorage(
         handle=bytes(handle),
         offset=int(offset),

@@ -27,6 +27,7 @@ with a fake registrar.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -81,9 +82,10 @@ def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
 class ChunkPinner:
     """Registers [address, address + capacity) in chunks on its own thread.
 
-    Thread-safety: ``_state`` guards the progress fields and the waiter list and is only
-    ever held briefly (the event loop takes it); ``registering`` is held across each
-    cudaHostRegister call, so ``with pinner.registering`` excludes one (see discard()).
+    Thread-safety: ``_state`` guards the progress fields and the waiter list; it is held
+    only briefly (the event loop takes it), never across a cudaHostRegister call. Before
+    each chunk the thread claims the chunk's end under ``_state`` (``_claimed``), so
+    discard_tail() can give back pages beyond every claimed chunk without a race.
     """
 
     def __init__(
@@ -98,13 +100,13 @@ class ChunkPinner:
         self.spans = chunk_spans(capacity, chunk)
         self.registrar = registrar
         self.on_progress = on_progress
-        self.registering = threading.Lock()
         self._state = threading.Lock()
         self._changed = threading.Condition(self._state)
         self._registered: list[tuple[int, int]] = []
         self._waiters: list[_Waiter] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._claimed = 0  # end of the chunk being (or last) registered
         self.pinned_bytes = 0  # registered prefix
         self.ready_bytes = 0  # usable prefix: pinned_bytes, or capacity after a failure
         self.error: str | None = None
@@ -118,17 +120,21 @@ class ChunkPinner:
 
     def _run(self) -> None:
         for offset, size in self.spans:
-            if self._stop.is_set():
-                break
+            with self._state:
+                if self._stop.is_set():
+                    break
+                self._claimed = offset + size
             try:
-                with self.registering:
-                    self.registrar.register(self.address + offset, size)
-                    with self._state:
-                        self._registered.append((offset, size))
+                self.registrar.register(self.address + offset, size)
             except Exception as exc:
-                self._fail(offset, exc)
+                if not self._stop.is_set():
+                    self._fail(offset, exc)
                 break
+            with self._state:
+                self._registered.append((offset, size))
             self._advance(offset + size, offset + size)
+        with self._state:
+            self._claimed = self.pinned_bytes
         self.finished_at = time.monotonic()
         log.info("host pool: %s", self.describe())
 
@@ -173,6 +179,10 @@ class ChunkPinner:
         await future
 
     @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    @property
     def done(self) -> bool:
         return self.finished_at is not None
 
@@ -189,7 +199,7 @@ class ChunkPinner:
     def unpin(self) -> None:
         """Stops pinning and unregisters every chunk (only when no copy uses the pool)."""
         self.stop()
-        with self.registering, self._state:
+        with self._state:
             registered, self._registered = self._registered, []
             self.pinned_bytes = 0
         for offset, _ in reversed(registered):
@@ -197,6 +207,14 @@ class ChunkPinner:
                 self.registrar.unregister(self.address + offset)
             except Exception as exc:  # best effort at shutdown
                 log.warning("host pool: unregister at offset %d failed: %s", offset, exc)
+
+    def discard_tail(self, give_back: Callable[[int, int], None]) -> None:
+        """Calls give_back(offset, length) for the pages no chunk has claimed yet; the thread
+        cannot claim another chunk meanwhile."""
+        with self._state:
+            start = -(-self._claimed // PAGE) * PAGE
+            if start < self.capacity:
+                give_back(start, self.capacity - start)
 
     def describe(self) -> dict[str, Any]:
         end = self.finished_at if self.finished_at is not None else time.monotonic()
@@ -213,10 +231,8 @@ class ChunkPinner:
 
 
 def _call_soon(waiter: _Waiter, error: BaseException | None) -> None:
-    try:
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
         waiter.loop.call_soon_threadsafe(_resolve, waiter.future, error)
-    except RuntimeError:
-        pass  # the loop is closed: nobody waits any more
 
 
 class PinnedHostPool(HostPool):
@@ -253,13 +269,9 @@ class PinnedHostPool(HostPool):
         return self.pinner.wait_ready(end, timeout_s)
 
     def discard(self) -> None:
-        """Gives back only pages not registered yet: dropping a pinned page would leave the
-        GPU with the old page and the process with a new zero page. May wait for the one
-        registration in progress (call it off the event loop)."""
-        with self.pinner.registering:
-            start = -(-self.pinner.pinned_bytes // PAGE) * PAGE
-            if self.pinner.error is None and start < self.capacity:
-                self._map.madvise(mmap.MADV_DONTNEED, start, self.capacity - start)
+        """Gives back only pages not registered (nor being registered): dropping a pinned
+        page would leave the GPU with the old page and the process with a new zero page."""
+        self.pinner.discard_tail(lambda start, length: self._map.madvise(mmap.MADV_DONTNEED, start, length))
 
     def close(self) -> None:
         self.pinner.unpin()

@@ -14,6 +14,7 @@ Nothing CUDA-only is imported at module import time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import queue
@@ -48,9 +49,9 @@ class CudaPythonMemcpy:
 
     def __init__(self) -> None:
         try:
-            from cuda.bindings import runtime  # type: ignore[import-not-found, unused-ignore]
+            from cuda.bindings import runtime  # type: ignore[import-not-found, import-untyped, unused-ignore]
         except ImportError:
-            from cuda import cudart as runtime  # type: ignore[import-not-found, no-redef, unused-ignore]
+            from cuda import cudart as runtime  # type: ignore[import-not-found, import-untyped, no-redef, unused-ignore]
         self.rt: Any = runtime
         self.kind = runtime.cudaMemcpyKind.cudaMemcpyDefault
         self.ok = runtime.cudaError_t.cudaSuccess
@@ -194,10 +195,8 @@ class EventWaiter:
         def finish(error: BaseException | None) -> None:
             if on_done is not None:
                 on_done()
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
                 loop.call_soon_threadsafe(_settle, future, error)
-            except RuntimeError:
-                pass  # loop closed
 
         self._queue.put((event, finish))
         return future

@@ -70,7 +70,9 @@ class _Group:
 
 
 class Stager:
-    def __init__(self, layout: KVLayout, tensors: Sequence[DeviceTensor], host: torch.Tensor, device: torch.device) -> None:
+    def __init__(
+        self, layout: KVLayout, tensors: Sequence[DeviceTensor], host: torch.Tensor, device: torch.device
+    ) -> None:
         """``host`` is the pool's ``[host_blocks, num_tensors, chunk]`` uint8 view."""
         chunk = layout.chunk_bytes
         groups = storage_groups(tensors)
@@ -112,6 +114,7 @@ class Stager:
         index = self._index(batch.device_ids)
         staging = self._buffer(len(batch.device_ids))
         for run in batch.host_runs:
-            staging[run.device : run.device + run.length].copy_(self.host[run.host : run.host + run.length], non_blocking=True)
+            rows = self.host[run.host : run.host + run.length]
+            staging[run.device : run.device + run.length].copy_(rows, non_blocking=True)
         for g in self.groups:
             g.view.index_copy_(0, index, staging[:, g.first : g.first + g.count])

@@ -12,6 +12,9 @@ def add_bench(sub: Any) -> None:
     from .swap import add_swap_args
 
     add_swap_args(kinds.add_parser("swap", help="swap-out / swap-in GB/s vs a raw contiguous copy"))
+    from .storage import add_storage_args
+
+    add_storage_args(kinds.add_parser("storage", help="store / load GB/s per backend vs its raw client"))
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -63,7 +63,9 @@ class AsyncEngineClient:
             self.dealers.append(sock)
         self.endpoints = list(endpoints)
         # Synchronous twins of the asyncio sockets for non-blocking reads/sends in the pump.
-        self._sync: dict[int, zmq.Socket[bytes]] = {id(s): zmq.Socket.shadow(s.underlying) for s in (self.pull, *self.dealers)}
+        self._sync: dict[int, zmq.Socket[bytes]] = {
+            id(s): zmq.Socket.shadow(s.underlying) for s in (self.pull, *self.dealers)
+        }
         self.core = EngineCore(len(endpoints), name, events, timeout_s, heartbeat_s)
         self._futures: dict[int, asyncio.Future[Completion]] = {}
         self._calls: dict[int, asyncio.Future[Outcome]] = {}

@@ -32,6 +32,7 @@ from ..protocol import (
 )
 from .jobs import Job
 from .ordering import Access, swap_access
+from .storage_handlers import StorageHandlers
 
 if TYPE_CHECKING:
     from .server import Daemon
@@ -74,6 +75,7 @@ class Handlers:
             MsgType.SWAP_IN: self.handle_swap_in,
             MsgType.CLEAR_HOST: self.handle_clear_host,
         }
+        self.jobs.update(StorageHandlers(daemon).jobs)  # STORE, LOAD, LOOKUP, DELETE
 
     # Synchronous commands -------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from ..protocol import (
     decode_command,
     encode_outcome,
 )
+from ..storage.tier import open_storage
 from .device import DeviceSlot
 from .handlers import Handlers
 from .host import HostCache
@@ -79,6 +80,10 @@ class Daemon:
         self.backend = backend or load_backend(config.daemon.backend, config)
         self.metrics = DaemonMetrics(self.rank, self.backend.name)
         self.host = HostCache(self.backend.create_host_pool(config.host_cache.capacity), config.host_cache.block_bytes)
+        try:  # storage tier: connects in start(), never blocks; None when storage.backend = "none"
+            self.storage = open_storage(config, self.host.pool, self.metrics)
+        except ValueError as exc:
+            raise DaemonError(str(exc)) from None
         self.ordering = BlockOrdering()
         self.device = DeviceSlot(self)
         self.jobs = Jobs(self)
@@ -100,6 +105,8 @@ class Daemon:
         self._stop = asyncio.Event()
         self._prepare_runtime_dir()
         self.router = self._bind_router()
+        if self.storage is not None:
+            self.storage.start()
         if self.config.metrics.enabled:
             port = self.metrics.serve(self.config.metrics.host, self.config.metrics_port)
             log.info("metrics on http://%s:%d/metrics", self.config.metrics.host, port)
@@ -152,6 +159,8 @@ class Daemon:
         await self._close_sockets()
         self.metrics.stop()
         self.backend.close()
+        if self.storage is not None:
+            self.storage.close()
         self._remove_ipc_file()
         if self._lock_file is not None:
             self._lock_file.close()
@@ -317,7 +326,9 @@ class Daemon:
     def _publish_host(self) -> None:
         host = self.host.describe()
         self.metrics.host_capacity.set(host["capacity_bytes"])
-        self.metrics.host_ready.set(host["ready_bytes"])
+        # Read at scrape time: a pinning host pool advances ready_bytes on its own thread.
+        pool = self.host.pool
+        self.metrics.host_ready.set_function(lambda: pool.ready_bytes)
         self.metrics.host_blocks.set(host["num_blocks"])
 
     def status(self) -> dict[str, Any]:
@@ -339,6 +350,7 @@ class Daemon:
             "device": self.device.describe(),
             "commands": {"queued": queued, "running": running},
             "clients": len(self.sessions),
+            "storage": self.storage.describe() if self.storage is not None else {"backend": "none"},
         }
 
     def effective_config(self) -> str:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
@@ -39,7 +39,7 @@ class StorageFailure(Exception):
     """The store answered a whole call with an error."""
 
 
-class GetStatus(str, Enum):
+class GetStatus(StrEnum):
     OK = "ok"  # header + payload delivered; the caller still verifies them
     MISSING = "missing"  # never stored, deleted or evicted: a normal miss
     MISMATCH = "mismatch"  # the stored object has another size
@@ -75,7 +75,7 @@ MISSING = GetResult(GetStatus.MISSING)
 class StorageBackend(ABC):
     name: str
 
-    def start(self) -> None:
+    def start(self) -> None:  # noqa: B027 - optional hook
         """Begins connecting (in the background for remote stores); never blocks for long."""
 
     @abstractmethod
@@ -97,5 +97,5 @@ class StorageBackend(ABC):
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook
         """Releases connections and registrations; called once, after the last call returned."""

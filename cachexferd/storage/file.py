@@ -18,6 +18,7 @@ the last rename wins and both wrote the same content-addressed bytes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -219,12 +220,10 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _unlink_quietly(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass
 
 
-def create(config: Config) -> FileBackend:
+def create(config: Config, pool: object = None) -> FileBackend:
     path = Path(config.storage.path) if config.storage.path else config.runtime_dir / "storage"
     return FileBackend(path, config.storage.fsync)

@@ -28,7 +28,7 @@ import hashlib
 import struct
 import zlib
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 MAGIC = b"CXKV"
 FORMAT_VERSION = 1
@@ -38,7 +38,7 @@ _HEAD_CRC = struct.Struct("<I")
 _PAD = bytes(HEADER_BYTES - _HEAD.size - _HEAD_CRC.size)
 
 
-class Verdict(str, Enum):
+class Verdict(StrEnum):
     OK = "ok"
     CORRUPT = "corrupt"
     MISMATCH = "mismatch"
@@ -86,7 +86,7 @@ class ObjectCodec:
         if _HEAD_CRC.unpack_from(header, _HEAD.size)[0] != zlib.crc32(head):
             return Verdict.CORRUPT, "header checksum mismatch"
         if version != FORMAT_VERSION or header_len != HEADER_BYTES:
-            return Verdict.MISMATCH, f"object format {version} (header {header_len} B); this daemon reads {FORMAT_VERSION}"
+            return Verdict.MISMATCH, f"object format {version} (header {header_len} B); this reads {FORMAT_VERSION}"
         if layout != _fingerprint_bytes(self.fingerprint):
             return Verdict.MISMATCH, f"object layout {layout.hex()} differs from {self.fingerprint}"
         if length != self.block_bytes:

@@ -132,7 +132,7 @@ class RedisBackend(StorageBackend):
         if value is None:
             return MISSING
         if len(value) != HEADER_BYTES + len(item.payload):
-            return GetResult(GetStatus.MISMATCH, bytes(value[:HEADER_BYTES]), len(value), f"object is {len(value)} bytes")
+            return GetResult(GetStatus.MISMATCH, value[:HEADER_BYTES], len(value), f"object is {len(value)} bytes")
         if stop.is_set():  # the daemon gave up on this call: leave host memory alone
             return GetResult(GetStatus.FAILED, detail="stopped")
         item.payload[:] = memoryview(value)[HEADER_BYTES:]
@@ -180,10 +180,6 @@ def _redacted(url: str) -> str:
     return parts._replace(netloc=netloc).geturl()
 
 
-def create(config: Config) -> RedisBackend:
+def create(config: Config, pool: object = None) -> RedisBackend:
     url = config.storage.url or "redis://127.0.0.1:6379/0"
     return RedisBackend(url, config.storage.timeout_s, max_connections=config.storage.io_threads + 4)
-
-
-def _check_import() -> redis_lib.Redis:  # pragma: no cover - typing aid only
-    raise NotImplementedError

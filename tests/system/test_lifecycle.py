@@ -131,7 +131,16 @@ def test_runner_death_detaches(spawn_daemon: Spawn) -> None:
 
 def test_invalid_config_exits_before_binding(short_tmp: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "cachexferd", "serve", "--set", f"daemon.runtime_dir={short_tmp}", "--set", "host_cache.capacity=lots"],
+        [
+            sys.executable,
+            "-m",
+            "cachexferd",
+            "serve",
+            "--set",
+            f"daemon.runtime_dir={short_tmp}",
+            "--set",
+            "host_cache.capacity=lots",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -172,14 +181,18 @@ def test_resident_memory_beyond_host_cache(spawn_daemon: Spawn) -> None:
             engine.connect()
             host_blocks = info["host_blocks"]
             reqs = [
-                engine.swap_out([b % SMALL.num_blocks for b in range(start, start + 48)], list(range(start, start + 48)))
+                engine.swap_out(
+                    [b % SMALL.num_blocks for b in range(start, start + 48)], list(range(start, start + 48))
+                )
                 for start in range(0, host_blocks - 48, 48)
             ]
             assert all(c.ok for c in engine.wait(reqs, timeout_s=60).values())
     assert daemon.proc is not None
     rss = _rss_bytes(daemon.proc.pid)
     beyond = rss - capacity
-    print(f"daemon RSS {rss / 2**20:.0f} MiB with a {capacity >> 20} MiB host cache: {beyond / 2**20:.0f} MiB beyond it")
+    print(
+        f"daemon RSS {rss / 2**20:.0f} MiB with a {capacity >> 20} MiB host cache: {beyond / 2**20:.0f} MiB beyond it"
+    )
     assert beyond < 300 << 20
 
 

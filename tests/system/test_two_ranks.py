@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import subprocess
 import urllib.request
 from collections.abc import Callable, Iterator
 
@@ -32,7 +35,9 @@ def two_ranks(spawn_daemon: Spawn) -> Iterator[tuple[list[DaemonProcess], list[S
         cache.close()
 
 
-def test_fan_out_exact_bytes_on_every_rank(two_ranks: tuple[list[DaemonProcess], list[ShmKVCache], list[RunnerClient]]) -> None:
+def test_fan_out_exact_bytes_on_every_rank(
+    two_ranks: tuple[list[DaemonProcess], list[ShmKVCache], list[RunnerClient]],
+) -> None:
     daemons, caches, _ = two_ranks
     before = [snapshot(c) for c in caches]
     with EngineClient([d.endpoint for d in daemons]) as engine:
@@ -114,6 +119,7 @@ def test_metrics_endpoint(two_ranks: tuple[list[DaemonProcess], list[ShmKVCache]
         engine.connect()
         engine.wait([engine.swap_out([1, 2], [3, 4])], timeout_s=20)
     text = urllib.request.urlopen(url, timeout=5).read().decode()
+    check_with_promtool(text)
     for name in (
         'cachexferd_commands_total{op="swap_out",outcome="ok"} 1.0',
         'cachexferd_transfer_bytes_total{direction="d2h"}',
@@ -127,3 +133,15 @@ def test_metrics_endpoint(two_ranks: tuple[list[DaemonProcess], list[ShmKVCache]
         "process_resident_memory_bytes",
     ):
         assert name in text, f"{name!r} missing from /metrics"
+
+
+def check_with_promtool(text: str) -> None:
+    """`promtool check metrics` must be clean (Prometheus naming conventions)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("CI") == "true":
+            raise AssertionError("promtool missing in CI (scripts/install-test-tools.sh installs it)")
+        print("promtool not installed: exposition lint skipped")
+        return
+    proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and not proc.stdout.strip() and not proc.stderr.strip(), proc.stdout + proc.stderr

@@ -1,0 +1,234 @@
+"""``cachexferd bench storage``: store / load GB/s through a daemon vs the backend's raw client.
+
+For each backend a real daemon subprocess runs with that storage backend, a runner cache
+is attached and swapped out so the host blocks hold random bytes, and then, alternating
+round by round so machine noise hits both sides alike:
+
+- raw put, daemon store (``--blocks`` host blocks -> objects, one command);
+- raw get, daemon load (objects -> other host blocks, one command; every object must load);
+- both sides' objects are deleted (untimed).
+
+Daemon times are what the engine sees: submit to completion event. The raw side is the
+backend's own client moving the same object sizes (block + 64-byte header) with as many
+threads as the daemon's storage tier uses (storage_raw.py). Reported: best and median
+GB/s per side and the ratio of the bests. Local servers are started on loopback ports
+unless ``--redis-url`` / ``--mooncake-master`` name running ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ..client import EngineClient, RunnerClient, ShmKVCache
+from ..config import parse_size
+from ..launch import DaemonProcess
+from ..protocol import KVLayout
+from ..status import human_bytes
+from ..storage.objects import HEADER_BYTES
+from ..storage.servers import MooncakeCluster, RedisServer, ServerUnavailable
+from ..storage.tier import shards
+from .storage_raw import RawClient, RawFile, RawMooncake, RawRedis
+
+BACKENDS = ("file", "redis", "mooncake")
+_LAYERS = 16
+
+
+def add_storage_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: file, redis, mooncake")
+    p.add_argument("--block-bytes", default="1MiB", help="host block (object payload) size")
+    p.add_argument("--blocks", type=int, default=64, help="objects per store / load command")
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds (after one warm-up round)")
+    p.add_argument("--io-threads", type=int, default=4, help="storage.io_threads of the daemon")
+    p.add_argument("--path", help="file backend directory (default: a temp dir on local disk)")
+    p.add_argument("--redis-url", help="use this Redis/Valkey instead of starting redis-server")
+    p.add_argument("--mooncake-master", help="use this Mooncake master instead of starting master + node")
+    p.add_argument("--json", help="write the rows (and machine info) to this file")
+    p.set_defaults(func=run)
+
+
+def layout_for(block_bytes: int, num_blocks: int) -> KVLayout:
+    tensors = _LAYERS * 2
+    if block_bytes % tensors:
+        raise ValueError(f"--block-bytes {block_bytes} must be a multiple of {tensors}")
+    return KVLayout(
+        num_layers=_LAYERS, num_blocks=num_blocks, block_size=1, num_kv_heads=1,
+        head_dim=block_bytes // tensors, dtype="uint8",
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def backend_setup(
+    name: str, args: argparse.Namespace, workdir: Path, n: int, block: int
+) -> Iterator[tuple[dict[str, Any], RawClient]]:
+    """(daemon storage settings, raw client) for one backend; starts local servers if needed."""
+    obj, threads = block + HEADER_BYTES, len(shards(n, block, args.io_threads))
+    with contextlib.ExitStack() as stack:
+        if name == "file":
+            root = Path(args.path) if args.path else workdir / "file"
+            settings: dict[str, Any] = {"storage.backend": "file", "storage.path": str(root / "daemon")}
+            raw: RawClient = RawFile(root / "raw", n, obj, threads)
+        elif name == "redis":
+            url = args.redis_url or _started(stack, RedisServer(workdir / "redis", maxmemory="4gb")).url
+            settings, raw = {"storage.backend": "redis", "storage.url": url}, RawRedis(url, n, obj, threads)
+        else:
+            segment = str(max(1 << 30, 4 * n * obj))
+            master = args.mooncake_master or _started(stack, MooncakeCluster(workdir / "mc", segment=segment)).master
+            settings = {"storage.backend": "mooncake", "storage.master": master}
+            raw = RawMooncake(master, n, obj, threads)
+        stack.callback(raw.close)
+        yield settings, raw
+
+
+def _started(stack: contextlib.ExitStack, server: Any) -> Any:
+    server.start()
+    stack.callback(server.stop)
+    return server
+
+
+class DaemonSide:
+    """A daemon subprocess with storage, an attached runner cache, and an engine client."""
+
+    def __init__(self, workdir: Path, settings: dict[str, Any], layout: KVLayout, io_threads: int) -> None:
+        n = layout.num_blocks  # objects per command; host blocks 0..n-1 are the source, n..2n-1 the target
+        capacity = 2 * n * layout.host_block_bytes + (16 << 20)
+        self.daemon = DaemonProcess(workdir / "rt", settings={
+            **settings, "storage.io_threads": io_threads, "storage.timeout_s": 120, "metrics.port": 0,
+            "host_cache.capacity": capacity, "daemon.log_level": "warning",
+        })  # fmt: skip
+        self.daemon.start()
+        self.cache = ShmKVCache(layout)
+        for tensor in self.cache.tensors:  # uint8 layout: random bytes, so checksums see real data
+            tensor.random_(0, 256)
+        self.runner = RunnerClient(self.daemon.endpoint)
+        self.runner.attach(self.cache)
+        self.engine = EngineClient([self.daemon.endpoint], timeout_s=300)
+        self.engine.connect()
+        self.n = n
+        self.call(self.engine.swap_out, list(range(n)), list(range(n)))
+
+    def call(self, fn: Callable[..., int], *args: Any) -> dict[str, Any]:
+        req = fn(*args)
+        done = self.engine.wait([req], 300)[req]
+        if not done.ok:
+            raise RuntimeError(done.describe())
+        return done.result()
+
+    def close(self) -> None:
+        if os.environ.get("CX_BENCH_DEBUG"):
+            print(self.daemon.log_tail(40))
+        self.engine.close()
+        self.runner.detach()
+        self.runner.close()
+        self.cache.close()
+        self.daemon.stop()
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def one_round(side: DaemonSide, raw: RawClient, tag: str) -> dict[str, float]:
+    n = side.n
+    keys = [f"bench:{tag}:{i}" for i in range(n)]
+
+    def load() -> None:
+        got = side.call(side.engine.load, keys, list(range(n, 2 * n)))
+        if got["loaded"] != n:
+            raise RuntimeError(f"load delivered {got['loaded']} of {n} objects")
+
+    sample = {
+        "raw_put": timed(lambda: raw.put(tag)),
+        "store": timed(lambda: side.call(side.engine.store, keys, list(range(n)))),
+        "raw_get": timed(lambda: raw.get(tag)),
+        "load": timed(load),
+    }
+    raw.drop(tag)
+    side.call(side.engine.delete, keys)
+    return sample
+
+
+def measure(side: DaemonSide, raw: RawClient, rounds: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {"store": [], "raw_put": [], "load": [], "raw_get": []}
+    for r in range(rounds + 1):
+        sample = one_round(side, raw, f"{uuid.uuid4().hex[:8]}-{r}")
+        if r:  # round 0 warms up connections, page cache and allocators
+            for key, value in sample.items():
+                times[key].append(value)
+    return times
+
+
+def rows_for(name: str, times: dict[str, list[float]], nbytes: int, n: int, block: int) -> list[dict[str, Any]]:
+    rows = []
+    for op, base in (("store", "raw_put"), ("load", "raw_get")):
+        ours, theirs = [nbytes / t / 1e9 for t in times[op]], [nbytes / t / 1e9 for t in times[base]]
+        rows.append({
+            "backend": name, "op": op, "objects": n, "object_bytes": block + HEADER_BYTES,
+            "daemon_gbps": max(ours), "raw_gbps": max(theirs), "ratio": max(ours) / max(theirs),
+            "daemon_median_gbps": statistics.median(ours), "raw_median_gbps": statistics.median(theirs),
+        })  # fmt: skip
+    return rows
+
+
+def run_backend(name: str, args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    n, block = args.blocks, parse_size(args.block_bytes)
+    layout = layout_for(block, n)
+    with backend_setup(name, args, workdir, n, block) as (settings, raw):
+        side = DaemonSide(workdir / f"daemon-{name}", settings, layout, args.io_threads)
+        try:
+            times = measure(side, raw, args.rounds)
+        finally:
+            side.close()
+    return rows_for(name, times, n * block, n, block)
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    print(f"{'backend':9} {'op':6} {'objects':>7} {'object':>9} {'daemon GB/s':>12} {'raw GB/s':>9} {'ratio':>6}")
+    for r in rows:
+        print(
+            f"{r['backend']:9} {r['op']:6} {r['objects']:7d} {human_bytes(r['object_bytes']):>9} "
+            f"{r['daemon_gbps']:12.2f} {r['raw_gbps']:9.2f} {r['ratio']:6.0%}"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    workdir = Path(tempfile.mkdtemp(prefix="cx-bench-storage-"))
+    try:
+        for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
+            if name not in BACKENDS:
+                raise SystemExit(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
+            try:
+                rows += run_backend(name, args, workdir)
+            except (ServerUnavailable, ImportError) as exc:
+                skipped[name] = str(exc)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_rows(rows)
+    for name, reason in skipped.items():
+        print(f"{name:9} skipped: {reason}")
+    if args.json:
+        machine = {"cpu": _cpu_name(), "cores": os.cpu_count(), "io_threads": args.io_threads}
+        Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows, "skipped": skipped}, indent=2))
+    return 0 if rows else 1
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown cpu"

@@ -1,0 +1,170 @@
+"""STORE / LOAD / LOOKUP / DELETE: validation, the blocks and keys each command touches, and
+the work (device<->host copies through the copy backend, storage I/O through the tier).
+
+Ordering. Each command declares an Access like a swap does, so it keeps submission order
+against every command touching the same blocks:
+- store reads ``host_ids``; with ``device_ids`` it first copies device -> host into
+  ``host_ids`` (staging), so it reads those device blocks and writes those host blocks;
+- load writes ``host_ids`` (and ``device_ids``, copied host -> device for the delivered prefix);
+- lookup and delete touch no blocks.
+Storage keys are ordered by the same machinery: each key maps to a synthetic id above every
+real host block id, which store/delete declare as written and load/lookup as read. So
+"store K" then "load K" on one daemon reads what was stored, and "delete K" then "store K"
+leaves K stored, while loads and lookups of a shared prefix run concurrently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..backends.base import CancelToken, Direction
+from ..backends.plan import check_ids, first_duplicate
+from ..protocol import Delete, ErrorCode, Limits, Load, Lookup, MsgType, ProtocolError, Store
+from .jobs import Job
+from .ordering import Access
+
+if TYPE_CHECKING:
+    from ..backends.base import DeviceCache
+    from ..storage.tier import StorageTier
+    from .server import Daemon
+    from .sessions import Session
+
+# Synthetic ids for keys start above every possible host block id.
+_KEY_SPACE = (Limits.MAX_BLOCK_ID + 1) << 1
+_KEY_MASK = (1 << 61) - 1
+
+
+def key_ids(keys: Sequence[str]) -> frozenset[int]:
+    """Ordering ids of storage keys. Python's str hash is stable within the daemon process,
+    which is all the ordering needs; a collision only adds an unnecessary wait."""
+    return frozenset(_KEY_SPACE + (hash(k) & _KEY_MASK) for k in keys)
+
+
+class StorageHandlers:
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        self.jobs: dict[MsgType, Any] = {
+            MsgType.STORE: self.handle_store,
+            MsgType.LOAD: self.handle_load,
+            MsgType.LOOKUP: self.handle_lookup,
+            MsgType.DELETE: self.handle_delete,
+        }
+
+    def _tier(self) -> StorageTier:
+        tier: StorageTier | None = getattr(self.d, "storage", None)
+        if tier is None:
+            raise ProtocolError(ErrorCode.NO_STORAGE, "no storage backend configured (storage.backend = none)")
+        return tier
+
+    def _geometry(self) -> tuple[int, int, str]:
+        """(host blocks, bytes per block, layout fingerprint) of the host cache."""
+        geometry = self.d.host.require_geometry()
+        fingerprint = self.d.host.fingerprint
+        if fingerprint is None:
+            raise ProtocolError(ErrorCode.NOT_ATTACHED, "the layout of host blocks is unknown until the first attach")
+        return geometry.num_blocks, geometry.block_bytes, fingerprint
+
+    def _validate(
+        self, keys: list[str], host_ids: list[int], device_ids: list[int] | None, writes_keys: bool
+    ) -> tuple[int, str, DeviceCache | None]:
+        """Checks a store/load; returns (block bytes, fingerprint, device cache or None)."""
+        host_blocks, block_bytes, fingerprint = self._geometry()
+        if len(host_ids) != len(keys):
+            raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"keys has {len(keys)} entries, host_ids {len(host_ids)}")
+        reason = check_ids(host_ids, host_blocks, "host_ids")
+        if reason:
+            raise ProtocolError(ErrorCode.ID_OUT_OF_RANGE, reason)
+        cache = None
+        if device_ids is not None:
+            cache = self.d.device.require()
+            if len(device_ids) != len(keys):
+                raise ProtocolError(
+                    ErrorCode.LENGTH_MISMATCH, f"keys has {len(keys)} entries, device_ids {len(device_ids)}"
+                )
+            reason = check_ids(device_ids, cache.layout.num_blocks, "device_ids")
+            if reason:
+                raise ProtocolError(ErrorCode.ID_OUT_OF_RANGE, reason)
+            _no_duplicates(host_ids if writes_keys else device_ids, "host" if writes_keys else "device")
+        if writes_keys:  # store: the keys are its destinations
+            _no_duplicate_keys(keys)
+        else:  # load: host blocks are its destinations
+            _no_duplicates(host_ids, "host")
+        return block_bytes, fingerprint, cache
+
+    # STORE ------------------------------------------------------------------------------
+
+    def handle_store(self, session: Session, cmd: Store) -> Job:
+        tier = self._tier()
+        block_bytes, fingerprint, cache = self._validate(cmd.keys, cmd.host_ids, cmd.device_ids, writes_keys=True)
+        keys, host_ids, device_ids = cmd.keys, cmd.host_ids, cmd.device_ids
+
+        async def work(cancel: CancelToken) -> dict[str, Any]:
+            if cache is not None and device_ids:
+                moved = await cache.swap(Direction.D2H, device_ids, host_ids, cancel)
+                self.d.metrics.transfer_bytes.labels(Direction.D2H.value).inc(moved)
+                cancel.check()
+            return await tier.store(keys, host_ids, block_bytes, fingerprint, cancel)
+
+        if device_ids is None:
+            access = Access(host_read=frozenset(host_ids), host_write=key_ids(keys))
+        else:
+            access = Access(device_read=frozenset(device_ids), host_write=frozenset(host_ids) | key_ids(keys))
+        return Job(access, work)
+
+    # LOAD -------------------------------------------------------------------------------
+
+    def handle_load(self, session: Session, cmd: Load) -> Job:
+        tier = self._tier()
+        block_bytes, fingerprint, cache = self._validate(cmd.keys, cmd.host_ids, cmd.device_ids, writes_keys=False)
+        keys, host_ids, device_ids = cmd.keys, cmd.host_ids, cmd.device_ids
+
+        async def work(cancel: CancelToken) -> dict[str, Any]:
+            loaded = await tier.load(keys, host_ids, block_bytes, fingerprint, cancel) if keys else 0
+            result: dict[str, Any] = {"loaded": loaded, "bytes": loaded * block_bytes}
+            if cache is not None and device_ids and loaded:
+                cancel.check()
+                moved = await cache.swap(Direction.H2D, device_ids[:loaded], host_ids[:loaded], cancel)
+                self.d.metrics.transfer_bytes.labels(Direction.H2D.value).inc(moved)
+            return result
+
+        access = Access(
+            device_write=frozenset(device_ids or ()), host_read=key_ids(keys), host_write=frozenset(host_ids)
+        )
+        return Job(access, work)
+
+    # LOOKUP / DELETE ----------------------------------------------------------------------
+
+    def handle_lookup(self, session: Session, cmd: Lookup) -> Job:
+        tier = self._tier()
+        keys = cmd.keys
+
+        async def work(cancel: CancelToken) -> dict[str, Any]:
+            return {"prefix": await tier.lookup(keys, cancel)}
+
+        return Job(Access(host_read=key_ids(keys)), work)
+
+    def handle_delete(self, session: Session, cmd: Delete) -> Job:
+        tier = self._tier()
+        keys = cmd.keys
+
+        async def work(cancel: CancelToken) -> dict[str, Any]:
+            return {"deleted": await tier.delete(keys, cancel)}
+
+        return Job(Access(host_write=key_ids(keys)), work)
+
+
+def _no_duplicates(ids: Sequence[int], side: str) -> None:
+    dup = first_duplicate(ids)
+    if dup is not None:
+        raise ProtocolError(ErrorCode.DUPLICATE_ID, f"destination {side} block {dup} appears more than once")
+
+
+def _no_duplicate_keys(keys: Sequence[str]) -> None:
+    if len(set(keys)) == len(keys):
+        return
+    seen: set[str] = set()
+    for key in keys:
+        if key in seen:
+            raise ProtocolError(ErrorCode.DUPLICATE_ID, f"key {key!r} appears more than once (each key is one object)")
+        seen.add(key)

@@ -1,0 +1,215 @@
+"""Local storage servers for tests, ``cachexferd demo`` and ``cachexferd bench storage``:
+Redis/Valkey, and a Mooncake master plus one storage node.
+
+Each server runs as a subprocess on free loopback ports with its own log file, and is
+stopped by its PID (SIGTERM, then SIGKILL). Binaries are looked up in this order: an
+environment override, PATH, the directory of the running Python (a virtualenv's bin/), and
+the installed ``mooncake`` package::
+
+    CACHEXFERD_REDIS_SERVER     redis-server or valkey-server (Debian: apt install redis-server)
+    CACHEXFERD_MOONCAKE_MASTER  mooncake_master  (pip install 'cachexferd[mooncake]')
+    CACHEXFERD_MOONCAKE_CLIENT  mooncake_client  (the storage node, same wheel)
+
+A missing binary raises ServerUnavailable with what to install.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO
+
+LOOPBACK = "127.0.0.1"
+MOONCAKE_HINT = "pip install 'cachexferd[mooncake]' (mooncake-transfer-engine-non-cuda; apt install libibverbs1)"
+
+
+class ServerUnavailable(RuntimeError):
+    """A server binary or library is not installed here."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(port: int, host: str = LOOPBACK) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
+
+
+def find_binary(names: Sequence[str], env_var: str) -> str | None:
+    override = os.environ.get(env_var)
+    if override:
+        return override if os.access(override, os.X_OK) else None
+    dirs = [Path(sys.executable).parent]
+    with contextlib.suppress(ImportError):
+        import mooncake
+
+        dirs.append(Path(mooncake.__file__).parent)
+    for name in names:
+        found = shutil.which(name) or next((str(d / name) for d in dirs if os.access(d / name, os.X_OK)), None)
+        if found:
+            return found
+    return None
+
+
+def require_binary(names: Sequence[str], env_var: str, hint: str) -> str:
+    path = find_binary(names, env_var)
+    if path is None:
+        raise ServerUnavailable(f"{' or '.join(names)} not found (set {env_var}, or {hint})")
+    return path
+
+
+class ServerProcess:
+    """One server subprocess: started with a readiness check, stopped by PID."""
+
+    def __init__(
+        self, name: str, argv: list[str], log_path: Path, ready: Callable[[], bool], env: dict[str, str] | None = None
+    ) -> None:
+        self.name, self.argv, self.log_path, self.ready, self.env = name, argv, log_path, ready, env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout_s: float = 20.0) -> None:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(
+            self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.env}, start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.ready():
+                return
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"{self.name} not ready after {timeout_s}s:\n{self.log_tail()}")
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.alive:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM by PID, SIGKILL if it does not exit within timeout_s."""
+        if self.proc is not None and self.alive:
+            self.signal(signal.SIGCONT)  # a paused server cannot act on SIGTERM
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._close_log()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.alive:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def log_tail(self, lines: int = 20) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class RedisServer:
+    """redis-server or valkey-server on a free loopback port: no persistence, LRU eviction."""
+
+    def __init__(self, workdir: Path, maxmemory: str = "1gb") -> None:
+        self.binary = require_binary(
+            ("redis-server", "valkey-server"), "CACHEXFERD_REDIS_SERVER", "apt install redis-server"
+        )
+        self.workdir, self.port = workdir, free_port()
+        workdir.mkdir(parents=True, exist_ok=True)
+        argv = [
+            self.binary, "--port", str(self.port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no",
+            "--dir", str(workdir), "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru",
+            "--protected-mode", "yes", "--daemonize", "no",
+        ]  # fmt: skip
+        self.server = ServerProcess("redis-server", argv, workdir / "redis.log", lambda: port_open(self.port))
+
+    @property
+    def url(self) -> str:
+        return f"redis://{LOOPBACK}:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+class MooncakeCluster:
+    """mooncake_master plus one storage node (``mooncake_client``) contributing ``segment``.
+
+    ``lease_ms`` is the master's read lease (objects just read cannot be evicted for that
+    long); ``client_ttl_s`` how soon the master forgets a dead storage node.
+    """
+
+    def __init__(self, workdir: Path, segment: str = "256MB", lease_ms: int = 200, client_ttl_s: int = 4) -> None:
+        try:
+            import mooncake.store  # noqa: F401 - the daemon side needs the binding too
+        except ImportError as exc:
+            raise ServerUnavailable(f"mooncake store binding not importable ({exc}); {MOONCAKE_HINT}") from None
+        master_bin = require_binary(("mooncake_master",), "CACHEXFERD_MOONCAKE_MASTER", MOONCAKE_HINT)
+        node_bin = require_binary(("mooncake_client",), "CACHEXFERD_MOONCAKE_CLIENT", MOONCAKE_HINT)
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir
+        self.master_port, self.node_port = free_port(), free_port()
+        env = {"MC_TCP_BIND_ADDRESS": LOOPBACK}
+        master_argv = [
+            master_bin, f"--rpc_port={self.master_port}", f"--rpc_address={LOOPBACK}",
+            f"--metrics_port={free_port()}", f"--metrics_host={LOOPBACK}", f"--default_kv_lease_ttl={lease_ms}",
+            f"--client_ttl={client_ttl_s}", "--logtostderr",
+        ]  # fmt: skip
+        node_argv = [
+            node_bin, f"--master_server_address={self.master}", "--metadata_server=P2PHANDSHAKE",
+            "--protocol=tcp", f"--host={LOOPBACK}", f"--port={self.node_port}",
+            f"--global_segment_size={segment}", "--logtostderr",
+        ]  # fmt: skip
+        self.master_proc = ServerProcess(
+            "mooncake_master", master_argv, workdir / "master.log", lambda: port_open(self.master_port), env
+        )
+        self.node = ServerProcess(
+            "mooncake_client", node_argv, workdir / "node.log", lambda: port_open(self.node_port), env
+        )
+
+    @property
+    def master(self) -> str:
+        return f"{LOOPBACK}:{self.master_port}"
+
+    def start(self) -> MooncakeCluster:
+        self.master_proc.start()
+        self.node.start()
+        return self
+
+    def stop(self) -> None:
+        self.node.stop()
+        self.master_proc.stop()

@@ -1,0 +1,299 @@
+"""The daemon side of the storage tier: runs backend calls off the event loop, in parallel,
+with a deadline, and turns their results into command results.
+
+Every command's storage I/O is cut into at most ``storage.io_threads`` shards (contiguous
+runs of keys, at least ~4 MiB each) that run on the tier's own I/O threads. The event loop
+awaits them with ``storage.timeout_s`` as the limit; past it the command fails with
+STORAGE_TIMEOUT. Before that outcome goes out, the tier tells the shards to stop and waits
+(at most ``timeout_s`` more) until they let go of the host blocks, so a late read can never
+overwrite a host block the engine has reused since. Workers check the stop flag before
+every object, so a worker that has not yet reached an object never touches it.
+
+The I/O threads are daemon threads: a store that hangs (a dead NFS server) can delay
+outcomes by its timeout but cannot keep the daemon from exiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ..protocol import ErrorCode, ProtocolError
+from .base import GetItem, GetStatus, PutItem, StorageBackend, StorageFailure, StorageTimeoutError, StorageUnavailable
+from .objects import ObjectCodec, Verdict
+
+if TYPE_CHECKING:
+    from ..backends.base import CancelToken
+    from ..config import Config, StorageConfig
+    from ..host_cache import HostPool
+    from ..metrics import DaemonMetrics
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+SHARD_MIN_BYTES = 4 << 20
+_POLL_S = 0.05  # how often a waiting command looks at its cancel token
+Call = Callable[[threading.Event], T]
+_Task = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
+
+
+class IOPool:
+    """A fixed set of daemon threads running blocking calls (futures in submission order)."""
+
+    def __init__(self, threads: int, name: str = "storage-io") -> None:
+        self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._queue.put((future, fn))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            future, fn = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout_s)
+
+
+@dataclass
+class LoadOutcome:
+    statuses: list[str]  # per key: "ok", "missing", "corrupt", "mismatch", "failed"
+
+    @property
+    def prefix(self) -> int:
+        for i, status in enumerate(self.statuses):
+            if status != "ok":
+                return i
+        return len(self.statuses)
+
+
+def shards(count: int, item_bytes: int, threads: int) -> list[slice]:
+    """Contiguous slices of ``count`` items: at most ``threads``, each about SHARD_MIN_BYTES or more."""
+    if count == 0:
+        return []
+    n = max(1, min(threads, count, (count * item_bytes) // SHARD_MIN_BYTES))
+    bounds = [count * i // n for i in range(n + 1)]
+    return [slice(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
+class StorageTier:
+    def __init__(self, backend: StorageBackend, config: StorageConfig, pool: HostPool, metrics: DaemonMetrics) -> None:
+        self.backend = backend
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics
+        self.timeout_s = config.timeout_s
+        self.io = IOPool(config.io_threads)
+
+    def start(self) -> None:
+        self.io.submit(self.backend.start)
+
+    def name_of(self, key: str) -> str:
+        return f"{self.config.namespace}/{key}" if self.config.namespace else key
+
+    # Commands ---------------------------------------------------------------------------
+
+    async def store(
+        self, keys: Sequence[str], host_ids: Sequence[int], block_bytes: int, fingerprint: str, cancel: CancelToken
+    ) -> dict[str, Any]:
+        codec = ObjectCodec(fingerprint, block_bytes)
+        names = [self.name_of(k) for k in keys]
+
+        def call(part: slice) -> Call[list[str | None]]:
+            return lambda stop: self._put(names[part], host_ids[part], codec, stop)
+
+        parts = shards(len(keys), block_bytes, self.config.io_threads)
+        reasons = [r for chunk in await self._run("store", [call(p) for p in parts], cancel) for r in chunk]
+        stored = next((i for i, r in enumerate(reasons) if r is not None), len(reasons))
+        failed = [r for r in reasons if r is not None]
+        if failed:
+            self.metrics.storage_errors.labels("put_failed").inc(len(failed))
+            log.warning("store: %d of %d objects not written (first: %s)", len(failed), len(keys), failed[0])
+        if failed and stored == 0 and len(failed) == len(keys):
+            raise ProtocolError(ErrorCode.STORAGE_ERROR, f"no object was written: {failed[0]}")
+        written = len(keys) - len(failed)
+        self.metrics.transfer_bytes.labels("store").inc(written * block_bytes)
+        return {"stored": stored, "failed": len(failed), "bytes": written * block_bytes}
+
+    async def load(
+        self, keys: Sequence[str], host_ids: Sequence[int], block_bytes: int, fingerprint: str, cancel: CancelToken
+    ) -> int:
+        """Reads objects into host blocks; returns the length of the delivered prefix."""
+        codec = ObjectCodec(fingerprint, block_bytes)
+        names = [self.name_of(k) for k in keys]
+
+        def call(part: slice) -> Call[list[str]]:
+            return lambda stop: self._get(names[part], host_ids[part], codec, stop)
+
+        parts = shards(len(keys), block_bytes, self.config.io_threads)
+        outcome = LoadOutcome([s for chunk in await self._run("load", [call(p) for p in parts], cancel) for s in chunk])
+        for kind in ("corrupt", "mismatch", "failed"):
+            count = outcome.statuses.count(kind)
+            if count:
+                self.metrics.storage_errors.labels(kind).inc(count)
+        delivered = outcome.prefix
+        self.metrics.transfer_bytes.labels("load").inc(delivered * block_bytes)
+        return delivered
+
+    async def lookup(self, keys: Sequence[str], cancel: CancelToken) -> int:
+        names = [self.name_of(k) for k in keys]
+        if not names:
+            return 0
+        (found,) = await self._run("lookup", [lambda stop: self.backend.exists(names)], cancel)
+        return next((i for i, present in enumerate(found) if not present), len(found))
+
+    async def delete(self, keys: Sequence[str], cancel: CancelToken) -> int:
+        names = [self.name_of(k) for k in keys]
+        if not names:
+            return 0
+        (removed,) = await self._run("delete", [lambda stop: self.backend.delete(names)], cancel)
+        return removed
+
+    # Work on the I/O threads ------------------------------------------------------------
+
+    def _view(self, host_id: int, block_bytes: int) -> tuple[memoryview, int]:
+        offset = host_id * block_bytes
+        return self.pool.memory(offset, block_bytes), self.pool.address + offset
+
+    def _put(
+        self, names: list[str], host_ids: Sequence[int], codec: ObjectCodec, stop: threading.Event
+    ) -> list[str | None]:
+        items = []
+        for name, host_id in zip(names, host_ids):
+            if stop.is_set():  # never checksum a block the engine may have reused since
+                return ["stopped"] * len(names)
+            view, address = self._view(host_id, codec.block_bytes)
+            items.append(PutItem(name, codec.header(name, view), view, address))
+        return self.backend.put(items, stop)
+
+    def _get(self, names: list[str], host_ids: Sequence[int], codec: ObjectCodec, stop: threading.Event) -> list[str]:
+        items = [GetItem(name, *self._view(h, codec.block_bytes)) for name, h in zip(names, host_ids)]
+        statuses = []
+        for item, got in zip(items, self.backend.get(items, stop)):
+            if got.status is not GetStatus.OK:
+                statuses.append(got.status.value)
+                if got.status in (GetStatus.MISMATCH, GetStatus.FAILED) and got.detail != "stopped":
+                    log.warning("load %s: %s", item.name, got.detail or got.status.value)
+                continue
+            verdict, why = codec.check(item.name, got.header, item.payload, got.received)
+            if verdict is not Verdict.OK:
+                log.warning("load %s: refused (%s): %s", item.name, verdict.value, why)
+            statuses.append(verdict.value)
+        return statuses
+
+    # Waiting ----------------------------------------------------------------------------
+
+    async def _run(self, op: str, calls: list[Call[T]], cancel: CancelToken) -> list[T]:
+        """Runs the calls on the I/O threads; maps every failure to a storage error code."""
+        stop = threading.Event()
+        futures = [asyncio.wrap_future(self.io.submit(functools.partial(call, stop))) for call in calls]
+        try:
+            await self._wait(futures, cancel)
+            results = [f.result() for f in futures]
+        except BaseException as exc:
+            stop.set()
+            if futures:  # the workers must let go of host memory before the outcome goes out
+                _, stuck = await asyncio.wait(futures, timeout=self.timeout_s)
+                if stuck:
+                    log.error("%s: %d storage calls still running after the grace period", op, len(stuck))
+            for f in futures:  # retrieve, so asyncio does not log "exception never retrieved"
+                if f.done() and not f.cancelled():
+                    f.exception()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            error = self._protocol_error(op, exc)
+            self.metrics.storage_ops.labels(op, error.code.name.lower()).inc()
+            raise error from None
+        self.metrics.storage_ops.labels(op, "ok").inc()
+        return results
+
+    async def _wait(self, futures: list[asyncio.Future[Any]], cancel: CancelToken) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        pending = set(futures)
+        while pending:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise StorageTimeoutError(f"no answer from the {self.backend.name} backend within {self.timeout_s}s")
+            done, pending = await asyncio.wait(pending, timeout=min(left, _POLL_S), return_when=asyncio.FIRST_EXCEPTION)
+            for f in done:
+                if f.exception() is not None:
+                    raise f.exception()  # type: ignore[misc]
+            cancel.check()
+
+    def _protocol_error(self, op: str, exc: BaseException) -> ProtocolError:
+        if isinstance(exc, ProtocolError):  # cancelled (detach, shutdown)
+            return exc
+        if isinstance(exc, StorageUnavailable):
+            self.metrics.storage_errors.labels("unavailable").inc()
+            return ProtocolError(ErrorCode.STORAGE_UNAVAILABLE, str(exc))
+        if isinstance(exc, StorageTimeoutError):
+            self.metrics.storage_errors.labels("timeout").inc()
+            return ProtocolError(ErrorCode.STORAGE_TIMEOUT, str(exc))
+        self.metrics.storage_errors.labels("backend").inc()
+        if isinstance(exc, StorageFailure):
+            return ProtocolError(ErrorCode.STORAGE_ERROR, str(exc))
+        log.exception("%s: unexpected error from the %s backend", op, self.backend.name, exc_info=exc)
+        return ProtocolError(ErrorCode.STORAGE_ERROR, f"{type(exc).__name__}: {exc}")
+
+    # Introspection and shutdown ---------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        info = self.backend.describe()
+        info.update({"timeout_s": self.timeout_s, "io_threads": self.config.io_threads})
+        if self.config.namespace:
+            info["namespace"] = self.config.namespace
+        return info
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stops the I/O threads and closes the backend, neither for longer than ``timeout_s``."""
+        self.io.close(timeout_s / 2)
+        closer = threading.Thread(target=self._close_backend, name="storage-close", daemon=True)
+        closer.start()
+        closer.join(timeout_s / 2)
+        if closer.is_alive():
+            log.warning("storage backend %s did not close within %.1fs", self.backend.name, timeout_s / 2)
+
+    def _close_backend(self) -> None:
+        try:
+            self.backend.close()
+        except Exception as exc:
+            log.warning("closing storage backend %s: %s", self.backend.name, exc)
+
+
+def open_storage(config: Config, pool: HostPool, metrics: DaemonMetrics) -> StorageTier | None:
+    """The daemon's storage tier, or None for ``storage.backend = "none"``. Connecting is
+    left to ``StorageTier.start``. A missing client library or a malformed address is a
+    configuration error (ValueError): the operator chose a backend this install cannot run."""
+    from . import load_storage
+
+    try:
+        backend = load_storage(config, pool)
+    except ImportError as exc:
+        extra = {"redis": "redis", "mooncake": "mooncake"}.get(config.storage.backend, "")
+        raise ValueError(
+            f"storage.backend = {config.storage.backend!r} needs a library that is not installed ({exc}); "
+            f"pip install 'cachexferd[{extra}]'"
+        ) from None
+    if backend is None:
+        return None
+    return StorageTier(backend, config.storage, pool, metrics)

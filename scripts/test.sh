@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The README's test command: set up ./.venv (with test extras), install the storage test
+# servers and tools when possible, and run the whole suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh test
+if ! scripts/install-test-tools.sh; then
+  if [ "${CI:-}" = "true" ]; then
+    echo "test: CI needs redis-server, libibverbs1 and promtool" >&2
+    exit 1
+  fi
+fi
+exec .venv/bin/python -m pytest -p no:cacheprovider "$@"

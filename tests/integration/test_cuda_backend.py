@@ -1,0 +1,353 @@
+"""The cuda backend on a real GPU (skipped without one).
+
+Two tiers: in-process swaps through ``CudaBackend.local_device_cache`` (checks the host
+bytes directly, every dtype, both copy methods, both tensor placements), and a real daemon
+subprocess importing this process's cache over CUDA IPC (pipelined ordering, 1000
+attach/detach cycles without leaks, detach with copies in flight, refused attaches)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from cachexferd.client import ClientError, EngineClient, RunnerClient
+from cachexferd.client.cuda_runner import CudaKVCache
+from cachexferd.launch import DaemonProcess
+from cachexferd.protocol import DTYPE_BYTES, ErrorCode, KVLayout
+
+from ..helpers import assert_moved, assert_untouched, fill_random, snapshot
+
+pytestmark = pytest.mark.cuda
+
+Spawn = Callable[..., DaemonProcess]
+MIB = 1 << 20
+BASE = KVLayout(num_layers=4, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+
+
+def layout_for(dtype: str, **changes: int) -> KVLayout:
+    """Same bytes per block whatever the dtype (4 KiB chunks for BASE)."""
+    fields: dict[str, Any] = {**BASE.to_wire(), "dtype": dtype, "head_dim": 128 // DTYPE_BYTES[dtype], **changes}
+    return KVLayout(**fields)
+
+
+def ids_for(pattern: str, n: int, seed: int, device_blocks: int, host_blocks: int) -> tuple[list[int], list[int]]:
+    rng = random.Random(seed)
+    if pattern == "contiguous":
+        return list(range(2, 2 + n)), list(range(7, 7 + n))
+    return rng.sample(range(device_blocks), n), rng.sample(range(host_blocks), n)
+
+
+# In-process: CudaBackend.local_device_cache -----------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["dma", "staging"])
+def local_backend(request: pytest.FixtureRequest) -> Iterator[Any]:
+    from cachexferd.backends.cuda import CudaBackend
+    from cachexferd.config import load_config
+
+    config = load_config(overrides={"cuda.copy_method": request.param, "cuda.pin_chunk": "8MiB"}, environ={})
+    backend = CudaBackend(config.cuda, rank=0)
+    yield backend
+    backend.close()
+
+
+def _swap(cache: Any, direction: Any, device_ids: list[int], host_ids: list[int]) -> int:
+    from cachexferd.backends.base import CancelToken
+
+    async def run() -> int:
+        moved: int = await asyncio.wait_for(cache.swap(direction, device_ids, host_ids, CancelToken()), 60)
+        return moved
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPE_BYTES))
+@pytest.mark.parametrize("one_allocation", [True, False], ids=["one_buffer", "per_tensor"])
+@pytest.mark.parametrize("pattern", ["contiguous", "scattered"])
+def test_local_swaps_exact_host_bytes(local_backend: Any, dtype: str, one_allocation: bool, pattern: str) -> None:
+    from cachexferd.backends.base import Direction
+
+    layout = layout_for(dtype)
+    pool = local_backend.create_host_pool(32 * MIB)
+    geometry = pool.geometry(layout.host_block_bytes)
+    with CudaKVCache(layout, "cuda:0", one_allocation=one_allocation) as kv:
+        fill_random(kv, seed=DTYPE_BYTES[dtype])
+        pool.tensor.fill_(0xA5)
+        cache = local_backend.local_device_cache(layout, kv.tensors, pool, geometry)
+        src, host = ids_for(pattern, 12, 3, layout.num_blocks // 2, geometry.num_blocks)
+        before = snapshot(kv)
+        assert _swap(cache, Direction.D2H, src, host) == 12 * layout.host_block_bytes
+        blocks = pool.blocks(geometry, layout.num_tensors)
+        for t in range(layout.num_tensors):
+            for d, h in zip(src, host):
+                assert torch.equal(blocks[h, t], before[t][d].reshape(-1).cpu()), f"host block {h} tensor {t}"
+        untouched = torch.ones(geometry.num_blocks, dtype=torch.bool)
+        untouched[host] = False
+        assert bool((blocks[untouched] == 0xA5).all()), "swap-out wrote outside its host blocks"
+        dst = [layout.num_blocks // 2 + i for i in range(12)]
+        _swap(cache, Direction.H2D, dst, host)
+        assert_moved(kv, dst, before, src)
+        assert_untouched(kv, before, dst)
+        cache.close()
+    pool.close()
+
+
+def test_local_swap_waits_for_pinning_and_honours_cancel(local_backend: Any) -> None:
+    from cachexferd.backends.base import CancelToken, Direction
+    from cachexferd.protocol import ProtocolError
+
+    layout = layout_for("bfloat16")
+    pool = local_backend.create_host_pool(512 * MIB)  # 64 chunks of 8 MiB: pinning takes a while
+    geometry = pool.geometry(layout.host_block_bytes)
+    with CudaKVCache(layout, "cuda:0") as kv:
+        fill_random(kv, seed=1)
+        cache = local_backend.local_device_cache(layout, kv.tensors, pool, geometry)
+        last = geometry.num_blocks - 1
+        _swap(cache, Direction.D2H, [5], [last])  # waits until the last chunk is pinned
+        assert pool.ready_bytes == pool.capacity
+        assert torch.equal(pool.blocks(geometry, layout.num_tensors)[last, 0], kv.block_bytes(0, 5).cpu())
+        token = CancelToken()
+        token.cancel(ErrorCode.DETACHED, "cancelled before start")
+        with pytest.raises(ProtocolError):
+            asyncio.run(cache.swap(Direction.H2D, [1, 2], [3, 4], token))
+        cache.close()
+    pool.close()
+
+
+def test_local_both_directions_at_once(local_backend: Any) -> None:
+    from cachexferd.backends.base import CancelToken, Direction
+
+    layout = layout_for("float16", num_blocks=512)
+    pool = local_backend.create_host_pool(64 * MIB)
+    geometry = pool.geometry(layout.host_block_bytes)
+    with CudaKVCache(layout, "cuda:0") as kv:
+        fill_random(kv, seed=4)
+        cache = local_backend.local_device_cache(layout, kv.tensors, pool, geometry)
+        _swap(cache, Direction.D2H, list(range(256, 512)), list(range(256, 512)))
+        before = snapshot(kv)
+
+        async def both() -> None:
+            out = cache.swap(Direction.D2H, list(range(0, 256)), list(range(0, 256)), CancelToken())
+            back = cache.swap(Direction.H2D, list(range(256, 512)), list(range(256, 512)), CancelToken())
+            await asyncio.wait_for(asyncio.gather(out, back), 60)
+
+        asyncio.run(both())
+        assert_untouched(kv, before, [])  # swap-in of what was swapped out: unchanged bytes
+        blocks = pool.blocks(geometry, layout.num_tensors)
+        assert torch.equal(blocks[:256, 0].reshape(-1), kv.tensors[0][:256].reshape(-1).view(torch.uint8).cpu())
+        cache.close()
+    pool.close()
+
+
+# Through a daemon subprocess (CUDA IPC) ---------------------------------------------------
+
+
+def cuda_daemon(spawn: Spawn, **settings: Any) -> DaemonProcess:
+    base = {"daemon.backend": "cuda", "host_cache.capacity": "64MiB", "cuda.pin_chunk": "8MiB"}
+    daemon: DaemonProcess = spawn(settings={**base, **{k.replace("__", "."): v for k, v in settings.items()}})
+    return daemon
+
+
+@pytest.fixture
+def engine_factory() -> Iterator[Callable[[str], EngineClient]]:
+    made: list[EngineClient] = []
+
+    def make(endpoint: str) -> EngineClient:
+        client = EngineClient([endpoint], timeout_s=60)
+        client.connect()
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close()
+
+
+def _ok(engine: EngineClient, *req_ids: int) -> None:
+    done = engine.wait(req_ids, timeout_s=60)
+    for req_id in req_ids:
+        assert done[req_id].ok, done[req_id].describe()
+
+
+@pytest.mark.parametrize("method", ["dma", "staging"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32"])
+def test_ipc_round_trip_exact(spawn_daemon: Spawn, engine_factory: Any, method: str, dtype: str) -> None:
+    daemon = cuda_daemon(spawn_daemon, cuda__copy_method=method)
+    engine = engine_factory(daemon.endpoint)
+    layout = layout_for(dtype)
+    with (
+        CudaKVCache(layout, "cuda:0", one_allocation=dtype != "float32") as kv,
+        RunnerClient(daemon.endpoint) as runner,
+    ):
+        fill_random(kv, seed=7)
+        torch.cuda.synchronize()  # the daemon does not order against this process's streams
+        with runner.attached(kv):
+            assert runner.status()["device"]["mappings"] >= 1
+            for pattern in ("contiguous", "scattered"):
+                before = snapshot(kv)
+                src, host = ids_for(pattern, 10, 5, 32, 1024)
+                dst = [32 + i for i in range(10)]
+                out, back = engine.swap_out(src, host), engine.swap_in(dst, host)  # pipelined
+                _ok(engine, out, back)
+                assert_moved(kv, dst, before, src)
+                assert_untouched(kv, before, dst)
+
+
+def test_ipc_pipelined_same_block_ordering(spawn_daemon: Spawn, engine_factory: Any) -> None:
+    """Hundreds of conflicting pipelined swaps end exactly as if run one by one."""
+    daemon = cuda_daemon(spawn_daemon)
+    engine = engine_factory(daemon.endpoint)
+    layout = layout_for("bfloat16")
+    rng = random.Random(11)
+    nb, host_blocks = layout.num_blocks, 24
+    model = [("orig", b) for b in range(nb)]
+    host: list[tuple[str, int] | None] = [None] * host_blocks
+    with CudaKVCache(layout, "cuda:0") as kv, RunnerClient(daemon.endpoint) as runner:
+        fill_random(kv, seed=11)
+        torch.cuda.synchronize()
+        original = snapshot(kv)
+        with runner.attached(kv):
+            req_ids = []
+            for _ in range(300):
+                n = rng.randint(1, 6)
+                dev, hosts = rng.sample(range(nb), n), rng.sample(range(host_blocks), n)
+                if rng.random() < 0.5:
+                    req_ids.append(engine.swap_out(dev, hosts))
+                    for d, h in zip(dev, hosts):
+                        host[h] = model[d]
+                    continue
+                pairs = [(d, h) for d, h in zip(dev, hosts) if host[h] is not None]
+                if pairs:
+                    req_ids.append(engine.swap_in([d for d, _ in pairs], [h for _, h in pairs]))
+                    for d, h in pairs:
+                        model[d] = host[h]  # type: ignore[assignment]
+            _ok(engine, *req_ids)
+        for t, tensor in enumerate(kv.tensors):
+            raw = tensor.view(torch.uint8)
+            for b, (_, origin) in enumerate(model):
+                assert torch.equal(raw[b], original[t][origin]), f"tensor {t} block {b} should hold block {origin}"
+
+
+def _free_everything() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.ipc_collect()  # frees exported blocks whose counters the daemon released
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.slow
+def test_thousand_attach_detach_cycles_leak_nothing(spawn_daemon: Spawn, engine_factory: Any) -> None:
+    daemon = cuda_daemon(spawn_daemon, cuda__copy_method="dma")
+    engine = engine_factory(daemon.endpoint)
+    layout = layout_for("bfloat16", num_blocks=8192)  # 8 tensors x 32 MiB
+    size = layout.num_tensors * layout.tensor_bytes
+    with RunnerClient(daemon.endpoint) as runner:
+        with CudaKVCache(layout, "cuda:0") as warm:  # the daemon's context and streams exist from here on
+            runner.attach(warm)
+            _ok(engine, engine.swap_out([0], [0]))
+            runner.detach()
+        _free_everything()
+        reserved0, free0 = torch.cuda.memory_reserved(), torch.cuda.mem_get_info()[0]
+        kv = CudaKVCache(layout, "cuda:0")
+        for cycle in range(1000):
+            if cycle and cycle % 100 == 0:  # an RL weight update: free and reallocate
+                kv.close()
+                kv = CudaKVCache(layout, "cuda:0")
+            runner.attach(kv)
+            if cycle % 50 == 0:  # the re-imported memory is the runner's current cache
+                fill_random(kv, seed=cycle)
+                torch.cuda.synchronize()
+                want = [kv.block_bytes(t, d).clone() for t in range(layout.num_tensors) for d in (1, 2, 3)]
+                _ok(engine, engine.swap_out([1, 2, 3], [4, 5, 6]), engine.swap_in([10, 11, 12], [4, 5, 6]))
+                got = [kv.block_bytes(t, d) for t in range(layout.num_tensors) for d in (10, 11, 12)]
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), f"cycle {cycle}: wrong bytes"
+                del want, got
+            runner.detach()
+            assert runner.status()["device"]["state"] == "detached"
+        kv.close()
+        del kv
+        _free_everything()
+        assert torch.cuda.memory_reserved() == reserved0, "exported memory still held: a ref counter was not released"
+        leaked = free0 - torch.cuda.mem_get_info()[0]
+        assert leaked < size // 4, f"{leaked} bytes of device memory not returned: an IPC mapping is still open"
+    assert "still referenced" not in daemon.log_tail(200)
+
+
+def test_detach_while_copies_in_flight(spawn_daemon: Spawn, engine_factory: Any) -> None:
+    daemon = cuda_daemon(spawn_daemon, host_cache__capacity="512MiB")
+    engine = engine_factory(daemon.endpoint)
+    layout = layout_for("bfloat16", num_blocks=16384)  # 8 tensors x 64 MiB
+    ids = list(range(8192))
+    with RunnerClient(daemon.endpoint) as runner:
+        _free_everything()
+        reserved0 = torch.cuda.memory_reserved()
+        kv = CudaKVCache(layout, "cuda:0")
+        runner.attach(kv)
+        req_ids = [engine.swap_out(ids, ids) if i % 2 else engine.swap_in(ids, ids) for i in range(12)]
+        reply = runner.detach(drain_timeout_s=0.0)
+        assert reply["state"] == "detached"
+        kv.close()  # the runner may free the memory the moment detach replies
+        del kv
+        done = engine.wait(req_ids, timeout_s=60)
+        codes = {ErrorCode(o.code) for c in done.values() for o in c.outcomes.values()}
+        assert len(done) == len(req_ids) and codes <= {ErrorCode.OK, ErrorCode.DETACHED}, codes
+        assert ErrorCode.DETACHED in codes, "detach with drain 0 should have cancelled queued swaps"
+        _free_everything()
+        assert torch.cuda.memory_reserved() == reserved0, "a cancelled swap kept the runner's memory referenced"
+        with CudaKVCache(layout_for("bfloat16", num_blocks=16384), "cuda:0") as again, runner.attached(again):
+            fill_random(again, seed=3)
+            torch.cuda.synchronize()
+            before = snapshot(again)
+            _ok(engine, engine.swap_out([0, 1], [0, 1]), engine.swap_in([5, 6], [0, 1]))
+            assert_moved(again, [5, 6], before, [0, 1])
+
+
+def test_refused_attach_releases_the_runners_memory(spawn_daemon: Spawn) -> None:
+    daemon = cuda_daemon(spawn_daemon)
+    layout = layout_for("bfloat16", num_blocks=4096)
+    _free_everything()
+    reserved0 = torch.cuda.memory_reserved()
+    with RunnerClient(daemon.endpoint) as runner:
+        kv = CudaKVCache(layout, "cuda:0")
+        handle = kv.device_handle()
+        handle["device_uuid"] = "GPU-00000000-0000-0000-0000-000000000000"
+
+        class Foreign:
+            def __init__(self) -> None:
+                self.layout = layout
+
+            def device_handle(self) -> dict[str, Any]:
+                return handle
+
+        with pytest.raises(ClientError) as info:
+            runner.attach(Foreign())
+        assert info.value.code == ErrorCode.ATTACH_FAILED
+        kv.close()
+        del kv
+        _free_everything()
+        assert torch.cuda.memory_reserved() == reserved0, "the refused attach left a ref counter unreleased"
+
+
+def test_status_answers_at_once_while_pinning(spawn_daemon: Spawn) -> None:
+    started = time.monotonic()
+    daemon = cuda_daemon(spawn_daemon, host_cache__capacity="8GiB", cuda__pin_chunk="256MiB")
+    first = time.monotonic() - started
+    status = daemon.wait_ready(5)
+    pinning = status["backend"]["pinning"][0]
+    assert status["host_cache"]["capacity_bytes"] == 8 << 30
+    deadline = time.monotonic() + 120
+    while not status["host_cache"]["pinned"] and time.monotonic() < deadline:
+        asked = time.monotonic()
+        status = daemon.wait_ready(5)
+        assert time.monotonic() - asked < 1.0, "status was slow while pinning"
+        time.sleep(0.2)
+    pinning = status["backend"]["pinning"][0]
+    assert status["host_cache"]["pinned"] and pinning["done"] and pinning["error"] is None, pinning
+    print(f"first status after {first:.2f}s; pinned 8 GiB in {pinning['seconds']}s")
