@@ -144,6 +144,10 @@ class StorageConfig:
     io_threads: int = field(
         default=4, metadata=_meta("storage I/O threads: backend calls that run at once", lo=1, hi=64)
     )
+    checksum: str = field(
+        default="sum64",
+        metadata=_meta("payload checksum of new objects: sum64 (memory speed) or crc32", choices=("sum64", "crc32")),
+    )
 
 
 @dataclass(frozen=True)

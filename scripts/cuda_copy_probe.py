@@ -81,8 +81,9 @@ def measure(backend: CudaBackend, pool: Any, chunk: int, one_buffer: bool, reps:
         for pattern, (dev, host) in patterns.items():
             for method in ("dma", "staging"):
                 backend.config = dataclasses.replace(backend.config, copy_method=method)
-                row = {"chunk": chunk, "host_block": layout.host_block_bytes, "placement": "one_buffer" if one_buffer
-                       else "per_tensor", "pattern": pattern, "method": method}  # fmt: skip
+                placement = "one_buffer" if one_buffer else "per_tensor"
+                row: dict[str, Any] = {"chunk": chunk, "host_block": layout.host_block_bytes, "placement": placement}
+                row.update(pattern=pattern, method=method)
                 for name, direction in (("d2h", Direction.D2H), ("h2d", Direction.H2D)):
                     row[name] = timed_swaps(cache, [(direction, dev, host)], reps)
                 half = count // 2

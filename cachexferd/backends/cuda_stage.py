@@ -76,7 +76,8 @@ class Stager:
         """``host`` is the pool's ``[host_blocks, num_tensors, chunk]`` uint8 view."""
         chunk = layout.chunk_bytes
         groups = storage_groups(tensors)
-        sizes = [chunk, host.data_ptr(), *(t.address for t in tensors), *(stride for _, _, stride in groups)]
+        sizes = [chunk, host.data_ptr(), *(t.address for t in tensors), *(t.offset for t in tensors)]
+        sizes += [stride for _, _, stride in groups]
         self.elem = element_size(sizes)
         self.dtype = _DTYPES[self.elem]
         self.width = chunk // self.elem

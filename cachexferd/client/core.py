@@ -30,6 +30,7 @@ from .pending import Completion, PendingTable
 
 log = logging.getLogger(__name__)
 
+_MAX_CONTROL = 4096  # unanswered pings/hellos remembered
 Fields = dict[str, Any] | Callable[[int], dict[str, Any]]  # same for all ranks, or per rank
 
 
@@ -56,6 +57,8 @@ class EngineCore:
     def _control_id(self) -> int:
         req_id = self.next_req_id()
         self._control.add(req_id)
+        if len(self._control) > _MAX_CONTROL:  # pings to a dead daemon are never answered
+            self._control = set(sorted(self._control)[-_MAX_CONTROL // 4 :])
         return req_id
 
     def accept_hellos(self, outcomes: list[Outcome]) -> None:

@@ -41,11 +41,11 @@ class CudaKVCache:
     def __init__(self, layout: KVLayout, device: Any = "cuda", *, one_allocation: bool = True) -> None:
         import torch
 
-        target = torch.device(device)
-        if target.type != "cuda":
-            raise ValueError(f"CudaKVCache needs a CUDA device, got {target}")
-        if target.index is None:
-            target = torch.device("cuda", torch.cuda.current_device())
+        given = torch.device(device)
+        if given.type != "cuda":
+            raise ValueError(f"CudaKVCache needs a CUDA device, got {given}")
+        index: int | None = given.index  # None for plain "cuda" (torch's stubs say int)
+        target = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         self.layout = layout
         self.device = target
         shape = (layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)

@@ -104,21 +104,19 @@ class DeviceSlot:
         pending = {e.done for e in entries}
         if pending:
             _, pending = await asyncio.wait(pending, timeout=drain_timeout_s)
-        cancelled = [e for e in entries if e.done in pending]
-        for entry in cancelled:
-            entry.cancel.cancel(ErrorCode.DETACHED, "device cache detached before this command finished")
+        for entry in entries:
+            if entry.done in pending:
+                entry.cancel.cancel(ErrorCode.DETACHED, "device cache detached before this command finished")
         if pending:
             await asyncio.wait(pending)  # cancelled copies stop at their next checkpoint
         self._unwatch()
         cache, self.cache = self.cache, None
         if cache is not None:
             cache.close()
-        log.info("detached: drained %d, cancelled %d", len(entries) - len(cancelled), len(cancelled))
-        return {
-            "state": DeviceState.DETACHED.value,
-            "drained": len(entries) - len(cancelled),
-            "cancelled": len(cancelled),
-        }
+        # A copy cancelled mid-way may still have finished: count outcomes, not requests.
+        cancelled = sum(1 for e in entries if e.code == ErrorCode.DETACHED)
+        log.info("detached: drained %d, cancelled %d", len(entries) - cancelled, cancelled)
+        return {"state": DeviceState.DETACHED.value, "drained": len(entries) - cancelled, "cancelled": cancelled}
 
     def _publish(self) -> None:
         m = self.daemon.metrics

@@ -68,6 +68,7 @@ class Jobs:
             log.exception("%s req_id=%d failed", cmd.TYPE.name, cmd.req_id)
             code, detail = ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
         finally:
+            entry.code = code
             self.daemon.ordering.release(entry)
             session.inflight.discard(cmd.req_id)
             self._publish()

@@ -60,6 +60,7 @@ class Entry:
     done: asyncio.Future[None]
     cancel: CancelToken = field(default_factory=CancelToken)
     started: bool = False
+    code: int = 0  # the outcome's code, set just before release
 
 
 class BlockOrdering:

@@ -173,7 +173,7 @@ class MooncakeCluster:
     long); ``client_ttl_s`` how soon the master forgets a dead storage node.
     """
 
-    def __init__(self, workdir: Path, segment: str = "256MB", lease_ms: int = 200, client_ttl_s: int = 4) -> None:
+    def __init__(self, workdir: Path, segment: str = "256MB", lease_ms: int = 2000, client_ttl_s: int = 4) -> None:
         try:
             import mooncake.store  # noqa: F401 - the daemon side needs the binding too
         except ImportError as exc:

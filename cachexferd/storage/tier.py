@@ -187,17 +187,20 @@ class StorageTier:
 
     def _get(self, names: list[str], host_ids: Sequence[int], codec: ObjectCodec, stop: threading.Event) -> list[str]:
         items = [GetItem(name, *self._view(h, codec.block_bytes)) for name, h in zip(names, host_ids)]
-        statuses = []
+        statuses: list[str] = []
+        problems: list[str] = []  # logged once per call: a bad batch must not flood the log
         for item, got in zip(items, self.backend.get(items, stop)):
-            if got.status is not GetStatus.OK:
-                statuses.append(got.status.value)
-                if got.status in (GetStatus.MISMATCH, GetStatus.FAILED) and got.detail != "stopped":
-                    log.warning("load %s: %s", item.name, got.detail or got.status.value)
+            if got.status is GetStatus.OK:
+                verdict, why = codec.check(item.name, got.header, item.payload, got.received)
+                statuses.append(verdict.value)
+                if verdict is not Verdict.OK:
+                    problems.append(f"{item.name}: {verdict.value}: {why}")
                 continue
-            verdict, why = codec.check(item.name, got.header, item.payload, got.received)
-            if verdict is not Verdict.OK:
-                log.warning("load %s: refused (%s): %s", item.name, verdict.value, why)
-            statuses.append(verdict.value)
+            statuses.append(got.status.value)
+            if got.status is not GetStatus.MISSING and got.detail != "stopped":
+                problems.append(f"{item.name}: {got.status.value}: {got.detail}")
+        if problems:
+            log.warning("load: %d of %d objects refused or failed (first %s)", len(problems), len(items), problems[0])
         return statuses
 
     # Waiting ----------------------------------------------------------------------------
