@@ -19,6 +19,7 @@ torch's own intra-op threads are set to 1 in the daemon: the workers are the par
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import os
 import re
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from ..host_cache import HostGeometry, HostPool
-from ..protocol import ErrorCode, KVLayout
+from ..protocol import ErrorCode, KVLayout, ProtocolError
 from .base import AttachError, Backend, CancelToken, DeviceCache, Direction
 from .plan import Run, coalesce, shard
 
@@ -147,6 +148,14 @@ class CpuDeviceCache(DeviceCache):
         return len(device_ids) * self.layout.host_block_bytes
 
     def _copy_shard(self, direction: Direction, runs: list[Run], cancel: CancelToken) -> None:
+        try:
+            self._copy_runs(direction, runs, cancel)
+        except ProtocolError as exc:
+            # Raise a fresh error: the original's traceback holds the worker frame, whose
+            # views would keep the segment mapped after detach until the GC ran.
+            raise ProtocolError(exc.code, exc.detail) from None
+
+    def _copy_runs(self, direction: Direction, runs: list[Run], cancel: CancelToken) -> None:
         """Runs on a worker thread; torch releases the GIL inside each copy."""
         to_host = direction is Direction.D2H
         for group in self.groups:
@@ -170,9 +179,11 @@ class CpuDeviceCache(DeviceCache):
                 torch._foreach_copy_(singles_dst, singles_src)
 
     def close(self) -> None:
-        # Dropping the last views unmaps the segment (torch owns the mapping).
+        # Dropping the last views unmaps the segment (torch owns the mapping); collect so
+        # that no view left in a reference cycle keeps it mapped after the detach reply.
         self.groups = []
         self._storage = None
+        gc.collect()
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "segment": self.segment, "groups": len(self.groups)}

@@ -268,6 +268,10 @@ class PinnedHostPool(HostPool):
     def wait_ready(self, end: int, timeout_s: float) -> bool:
         return self.pinner.wait_ready(end, timeout_s)
 
+    def wait_all_pinned(self, timeout_s: float = 600.0) -> bool:
+        """Blocks until the whole pool is usable (benchmarks time pinned copies only)."""
+        return self.pinner.wait_ready(self.capacity, timeout_s)
+
     def discard(self) -> None:
         """Gives back only pages not registered (nor being registered): dropping a pinned
         page would leave the GPU with the old page and the process with a new zero page."""

@@ -74,17 +74,21 @@ def _cuda_kit(layout: KVLayout, host_blocks: int) -> Kit:
     from ..backends import load_backend
     from ..config import load_config
 
+    from ..backends.cuda import CudaBackend
+    from ..backends.cuda_pool import PinnedHostPool
+    from ..client.cuda_runner import CudaKVCache
+
     backend = load_backend("cuda", load_config(overrides={"daemon.backend": "cuda"}, environ={}))
+    assert isinstance(backend, CudaBackend)
     pool = backend.create_host_pool(host_blocks * layout.host_block_bytes)
-    wait_ready = getattr(pool, "wait_all_pinned", None)
-    if wait_ready is not None:
-        wait_ready()
-    shape = (layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    tensors = [torch.full(shape, 5, dtype=torch.uint8, device="cuda") for _ in range(layout.num_tensors)]
+    if isinstance(pool, PinnedHostPool):
+        pool.wait_all_pinned()
+    # One allocation with evenly spaced tensors, as the runner helper allocates by default.
+    cache = CudaKVCache(layout, device=backend.device)
     geometry = pool.geometry(layout.host_block_bytes)
-    device = backend.local_device_cache(layout, tensors, pool, geometry)  # type: ignore[attr-defined]
+    device = backend.local_device_cache(layout, cache.tensors, pool, geometry)
     nbytes = host_blocks * layout.host_block_bytes
-    return Kit(backend, pool, device, pool.tensor[:nbytes], torch.empty(nbytes, dtype=torch.uint8, device="cuda"))
+    return Kit(backend, pool, device, pool.tensor[:nbytes], torch.empty(nbytes, dtype=torch.uint8, device=backend.device), [cache])
 
 
 def _cuda_raw_copy(kit: Kit, nbytes: int, direction: str) -> None:

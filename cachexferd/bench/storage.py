@@ -44,6 +44,7 @@ from .storage_raw import RawClient, RawFile, RawMooncake, RawRedis
 
 BACKENDS = ("file", "redis", "mooncake")
 _LAYERS = 16
+_SETTLE_S = 0.05
 
 
 def add_storage_args(p: argparse.ArgumentParser) -> None:
@@ -149,7 +150,7 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def one_round(side: DaemonSide, raw: RawClient, tag: str) -> dict[str, float]:
+def one_round(side: DaemonSide, raw: RawClient, tag: str, daemon_first: bool) -> dict[str, float]:
     n = side.n
     keys = [f"bench:{tag}:{i}" for i in range(n)]
 
@@ -158,12 +159,18 @@ def one_round(side: DaemonSide, raw: RawClient, tag: str) -> dict[str, float]:
         if got["loaded"] != n:
             raise RuntimeError(f"load delivered {got['loaded']} of {n} objects")
 
-    sample = {
-        "raw_put": timed(lambda: raw.put(tag)),
-        "store": timed(lambda: side.call(side.engine.store, keys, list(range(n)))),
-        "raw_get": timed(lambda: raw.get(tag)),
-        "load": timed(load),
-    }
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        ("store", lambda: side.call(side.engine.store, keys, list(range(n)))),
+        ("raw_put", lambda: raw.put(tag)),
+        ("load", load),
+        ("raw_get", lambda: raw.get(tag)),
+    ]
+    if not daemon_first:  # alternate who goes first, so neither side always meets a colder cache
+        steps[0], steps[1], steps[2], steps[3] = steps[1], steps[0], steps[3], steps[2]
+    sample = {}
+    for name, fn in steps:
+        time.sleep(_SETTLE_S)  # let the other side's background work (writeback, lazy frees) settle
+        sample[name] = timed(fn)
     raw.drop(tag)
     side.call(side.engine.delete, keys)
     return sample
@@ -172,7 +179,7 @@ def one_round(side: DaemonSide, raw: RawClient, tag: str) -> dict[str, float]:
 def measure(side: DaemonSide, raw: RawClient, rounds: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {"store": [], "raw_put": [], "load": [], "raw_get": []}
     for r in range(rounds + 1):
-        sample = one_round(side, raw, f"{uuid.uuid4().hex[:8]}-{r}")
+        sample = one_round(side, raw, f"{uuid.uuid4().hex[:8]}-{r}", daemon_first=r % 2 == 0)
         if r:  # round 0 warms up connections, page cache and allocators
             for key, value in sample.items():
                 times[key].append(value)

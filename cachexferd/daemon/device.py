@@ -111,8 +111,8 @@ class DeviceSlot:
             await asyncio.wait(pending)  # cancelled copies stop at their next checkpoint
         self._unwatch()
         cache, self.cache = self.cache, None
-        if cache is not None:
-            cache.close()
+        if cache is not None:  # closing may sync streams or collect garbage: off the loop
+            await asyncio.get_running_loop().run_in_executor(None, cache.close)
         # A copy cancelled mid-way may still have finished: count outcomes, not requests.
         cancelled = sum(1 for e in entries if e.code == ErrorCode.DETACHED)
         log.info("detached: drained %d, cancelled %d", len(entries) - cancelled, cancelled)

@@ -98,7 +98,7 @@ def sum64(payload: Any) -> int:
 def sum64_reference(payload: bytes) -> int:
     """The same checksum in plain Python (slow): the normative definition, used by tests."""
     data = bytes(payload) + bytes(-len(payload) % 8)
-    words = struct.unpack(f"<{len(data) // 8}Q", data)
+    words: tuple[int, ...] = struct.unpack(f"<{len(data) // 8}Q", data)
     pages = [sum(words[i : i + PAGE_WORDS]) for i in range(0, len(words), PAGE_WORDS)]
     a = sum(pages) & _MASK
     b = sum((p + 1) * s for p, s in enumerate(pages)) & _MASK
@@ -106,7 +106,9 @@ def sum64_reference(payload: bytes) -> int:
 
 
 def payload_checksum(kind: Checksum, payload: Any) -> int:
-    return zlib.crc32(payload) if kind is Checksum.CRC32 else sum64(payload)
+    if kind is Checksum.CRC32:
+        return zlib.crc32(payload)
+    return sum64(payload)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from .base import (
     StorageUnavailable,
 )
 from .objects import HEADER_BYTES
+from .resp import ProtocolViolation, RespError, RespReader
 
 if TYPE_CHECKING:
     import redis as redis_lib
@@ -60,6 +61,7 @@ class RedisBackend(StorageBackend):
             socket_connect_timeout=min(timeout_s, 2.0),
             max_connections=max_connections,
             retry_on_timeout=False,
+            protocol=2,  # RESP2: what every Redis and Valkey speaks, and what RespReader parses
         )
         self._state = "unknown"
 
@@ -77,31 +79,24 @@ class RedisBackend(StorageBackend):
         try:
             yield conn
             self._state = "ready"
-        except errors.TimeoutError as exc:
+        except (errors.TimeoutError, TimeoutError) as exc:
             conn.disconnect()
             raise self._down(StorageTimeoutError, exc) from None
-        except (errors.ConnectionError, OSError) as exc:
+        except (errors.ConnectionError, ConnectionError, OSError) as exc:  # ProtocolViolation too
             conn.disconnect()
             raise self._down(StorageUnavailable, exc) from None
-        except errors.RedisError as exc:
+        except (errors.RedisError, RespError) as exc:
             conn.disconnect()
             raise StorageFailure(f"redis: {exc}") from None
+        except BaseException:
+            conn.disconnect()  # a half-read reply would poison the pooled connection
+            raise
         finally:
             pool.release(conn)
 
     def _down(self, kind: type[Exception], exc: BaseException) -> Exception:
         self._state = "unavailable"
         return kind(f"redis at {_redacted(self.url)}: {exc}")
-
-    def _responses(self, conn: Any, count: int) -> list[Any]:
-        """Reads ``count`` replies; an error reply is returned in place, not raised."""
-        out: list[Any] = []
-        for _ in range(count):
-            try:
-                out.append(conn.read_response())
-            except self._redis_lib.exceptions.ResponseError as exc:
-                out.append(exc)
-        return out
 
     def start(self) -> None:
         pass  # redis-py connects on first use; nothing to do ahead of time
@@ -112,8 +107,9 @@ class RedisBackend(StorageBackend):
                 total = len(item.header) + len(item.payload)
                 head = b"*3\r\n$3\r\nSET\r\n" + _bulk(item.name.encode()) + b"$%d\r\n" % total
                 conn.send_packed_command([head, item.header, item.payload, b"\r\n"], check_health=False)
-            replies = self._responses(conn, len(items))
-        return [None if reply in (True, b"OK", "OK") else f"redis: {reply}" for reply in replies]
+            reader = RespReader(conn._sock)
+            replies = [reader.simple() for _ in items]
+        return [None if reply == b"OK" else f"redis: {reply!r}" for reply in replies]
 
     def get(self, items: list[GetItem], stop: threading.Event) -> list[GetResult]:
         results: list[GetResult] = []
@@ -123,20 +119,29 @@ class RedisBackend(StorageBackend):
                 continue
             with self._connection() as conn:
                 conn.send_command("MGET", *[item.name for item in chunk], check_health=False)
-                values = conn.read_response()
-            results += [self._place(item, value, stop) for item, value in zip(chunk, values)]
+                reader = RespReader(conn._sock)
+                if reader.array_length() != len(chunk):
+                    raise ProtocolViolation("MGET answered with a different number of values")
+                results += [self._receive(reader, item, stop) for item in chunk]
         return results
 
     @staticmethod
-    def _place(item: GetItem, value: bytes | None, stop: threading.Event) -> GetResult:
-        if value is None:
+    def _receive(reader: RespReader, item: GetItem, stop: threading.Event) -> GetResult:
+        """One MGET value: header into the result, payload straight into the host block."""
+        length = reader.bulk_length()
+        if length < 0:
             return MISSING
-        if len(value) != HEADER_BYTES + len(item.payload):
-            return GetResult(GetStatus.MISMATCH, value[:HEADER_BYTES], len(value), f"object is {len(value)} bytes")
-        if stop.is_set():  # the daemon gave up on this call: leave host memory alone
-            return GetResult(GetStatus.FAILED, detail="stopped")
-        item.payload[:] = memoryview(value)[HEADER_BYTES:]
-        return GetResult(GetStatus.OK, value[:HEADER_BYTES], len(value))
+        if length != HEADER_BYTES + len(item.payload) or stop.is_set():
+            reader.skip(length)  # never touch host memory for a wrong-size object or after a stop
+            reader.end_of_bulk()
+            if stop.is_set():
+                return GetResult(GetStatus.FAILED, detail="stopped")
+            return GetResult(GetStatus.MISMATCH, received=length, detail=f"object is {length} bytes")
+        header = memoryview(bytearray(HEADER_BYTES))
+        reader.into(header)
+        reader.into(item.payload)
+        reader.end_of_bulk()
+        return GetResult(GetStatus.OK, bytes(header), length)
 
     def exists(self, names: list[str]) -> list[bool]:
         found: list[bool] = []
@@ -144,7 +149,8 @@ class RedisBackend(StorageBackend):
             for start in range(0, len(names), _PIPELINE_KEYS):
                 chunk = names[start : start + _PIPELINE_KEYS]
                 conn.send_packed_command(conn.pack_commands([("EXISTS", n) for n in chunk]), check_health=False)
-                found += [reply == 1 for reply in self._responses(conn, len(chunk))]
+                reader = RespReader(conn._sock)
+                found += [reader.simple() == 1 for _ in chunk]
                 if not all(found):
                     break  # a prefix query needs nothing past the first miss
         return found + [False] * (len(names) - len(found))
@@ -154,7 +160,10 @@ class RedisBackend(StorageBackend):
         with self._connection() as conn:
             for start in range(0, len(names), _PIPELINE_KEYS):
                 conn.send_command("UNLINK", *names[start : start + _PIPELINE_KEYS], check_health=False)
-                removed += int(conn.read_response())
+                reply = RespReader(conn._sock).simple()
+                if isinstance(reply, RespError):
+                    raise StorageFailure(f"redis UNLINK: {reply}")
+                removed += int(reply)
         return removed
 
     def describe(self) -> dict[str, Any]:

@@ -176,7 +176,9 @@ def test_pinned_pool_ready_bytes_pinned_flag_and_discard() -> None:
         assert time.monotonic() - started < 1.0
         assert bool((pool.tensor[: 2 * MIB] == 7).all()), "a registered page was discarded"
         assert bool((pool.tensor[2 * MIB :] == 0).all())
+        assert not pool.wait_all_pinned(timeout_s=0.05)
         reg.step(3)
+        assert pool.wait_all_pinned(timeout_s=5)
         wait_until(lambda: pool.pinned)
         assert pool.ready_bytes == 4 * MIB and reg.calls[0][0] == pool.address
         pool.tensor.fill_(5)
