@@ -33,7 +33,7 @@ import torch
 from ..host_cache import HostGeometry, HostPool
 from ..protocol import ErrorCode, KVLayout, ProtocolError
 from .base import AttachError, Backend, CancelToken, DeviceCache, Direction
-from .plan import Run, coalesce, shard
+from .plan import Run, coalesce, even_groups, shard
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -52,21 +52,6 @@ class TensorGroup:
     count: int
     device: torch.Tensor  # [num_blocks, count, chunk] uint8 view into the shared segment
     host: torch.Tensor  # [host_blocks, count, chunk] uint8 view into the host pool
-
-
-def group_offsets(offsets: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first tensor, count, stride) for maximal runs of evenly spaced offsets."""
-    groups: list[tuple[int, int, int]] = []
-    i = 0
-    while i < len(offsets):
-        count, stride = 1, 0
-        if i + 1 < len(offsets) and offsets[i + 1] > offsets[i]:
-            stride = offsets[i + 1] - offsets[i]
-            while i + count < len(offsets) and offsets[i + count] - offsets[i + count - 1] == stride:
-                count += 1
-        groups.append((i, count, stride))
-        i += count
-    return groups
 
 
 def validate_offsets(offsets: Any, layout: KVLayout, segment_bytes: int) -> list[int]:
@@ -124,7 +109,7 @@ class CpuDeviceCache(DeviceCache):
         base = torch.empty(0, dtype=torch.uint8).set_(storage)
         nb, chunk = self.layout.num_blocks, self.layout.chunk_bytes
         groups = []
-        for first, count, stride in group_offsets(offsets):
+        for first, count, stride in even_groups(offsets):
             device = torch.as_strided(base, (nb, count, chunk), (chunk, stride or 1, 1), offsets[first])
             groups.append(TensorGroup(first, count, device, host[:, first : first + count]))
         return groups

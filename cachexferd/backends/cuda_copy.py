@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from .plan import Run
+from .plan import Run, even_groups
 
 METHODS = ("auto", "dma", "staging")
 
@@ -56,21 +56,6 @@ class DmaGeometry:
     host_base: int  # address of host block 0
     host_block_bytes: int
     max_pitch: int  # the device's cudaDevAttrMaxPitch
-
-
-def address_groups(addrs: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first tensor, count, stride) for maximal runs of evenly spaced, increasing addresses."""
-    groups: list[tuple[int, int, int]] = []
-    i = 0
-    while i < len(addrs):
-        count, stride = 1, 0
-        if i + 1 < len(addrs) and addrs[i + 1] > addrs[i]:
-            stride = addrs[i + 1] - addrs[i]
-            while i + count < len(addrs) and addrs[i + count] - addrs[i + count - 1] == stride:
-                count += 1
-        groups.append((i, count, stride))
-        i += count
-    return groups
 
 
 def split_runs(runs: Sequence[Run], host_block_bytes: int, boundary: int) -> list[Run]:
@@ -104,7 +89,7 @@ def iter_dma(to_host: bool, runs: Sequence[Run], geo: DmaGeometry) -> Iterator[C
     """The DMA calls that move ``runs`` (device -> host when ``to_host``), lazily: a big
     scattered swap can need millions and they are issued batch by batch."""
     chunk, hb = geo.chunk, geo.host_block_bytes
-    groups = address_groups(geo.tensor_addrs)
+    groups = even_groups(geo.tensor_addrs)
     for run in runs:
         for first, count, stride in groups:
             dev0 = geo.tensor_addrs[first] + run.device * chunk
@@ -126,7 +111,7 @@ def plan_dma(to_host: bool, runs: Sequence[Run], geo: DmaGeometry) -> list[Copy2
 
 def dma_calls(runs: Sequence[Run], geo: DmaGeometry) -> int:
     """How many calls iter_dma issues, without building them (pitch splits not counted)."""
-    groups = address_groups(geo.tensor_addrs)
+    groups = even_groups(geo.tensor_addrs)
     total = 0
     for run in runs:
         for _, count, stride in groups:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ..protocol import KVLayout
-from .cuda_copy import StagingBatch, address_groups, element_size
+from .cuda_copy import StagingBatch, element_size
+from .plan import even_groups
 
 _DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -56,7 +57,7 @@ def storage_groups(tensors: Sequence[DeviceTensor]) -> list[tuple[int, int, int]
         base = tensors[i].storage.data_ptr()
         while j < len(tensors) and tensors[j].storage.data_ptr() == base:
             j += 1
-        for first, count, stride in address_groups([t.address for t in tensors[i:j]]):
+        for first, count, stride in even_groups([t.address for t in tensors[i:j]]):
             groups.append((i + first, count, stride))
         i = j
     return groups

@@ -59,6 +59,22 @@ def shard(runs: Sequence[Run], parts: int) -> list[list[Run]]:
     return shards
 
 
+def even_groups(values: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first index, count, stride) for maximal runs of evenly spaced, increasing values:
+    tensors at such offsets (or addresses) can be moved as one strided view."""
+    groups: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(values):
+        count, stride = 1, 0
+        if i + 1 < len(values) and values[i + 1] > values[i]:
+            stride = values[i + 1] - values[i]
+            while i + count < len(values) and values[i + count] - values[i + count - 1] == stride:
+                count += 1
+        groups.append((i, count, stride))
+        i += count
+    return groups
+
+
 def check_ids(ids: Sequence[int], limit: int, name: str) -> str | None:
     """Returns a reason when some id is not in [0, limit), else None."""
     if ids and (min(ids) < 0 or max(ids) >= limit):

@@ -72,11 +72,10 @@ def _cuda_kit(layout: KVLayout, host_blocks: int) -> Kit:
     import torch
 
     from ..backends import load_backend
-    from ..config import load_config
-
     from ..backends.cuda import CudaBackend
     from ..backends.cuda_pool import PinnedHostPool
     from ..client.cuda_runner import CudaKVCache
+    from ..config import load_config
 
     backend = load_backend("cuda", load_config(overrides={"daemon.backend": "cuda"}, environ={}))
     assert isinstance(backend, CudaBackend)
@@ -88,7 +87,14 @@ def _cuda_kit(layout: KVLayout, host_blocks: int) -> Kit:
     geometry = pool.geometry(layout.host_block_bytes)
     device = backend.local_device_cache(layout, cache.tensors, pool, geometry)
     nbytes = host_blocks * layout.host_block_bytes
-    return Kit(backend, pool, device, pool.tensor[:nbytes], torch.empty(nbytes, dtype=torch.uint8, device=backend.device), [cache])
+    return Kit(
+        backend,
+        pool,
+        device,
+        pool.tensor[:nbytes],
+        torch.empty(nbytes, dtype=torch.uint8, device=backend.device),
+        [cache],
+    )
 
 
 def _cuda_raw_copy(kit: Kit, nbytes: int, direction: str) -> None:

@@ -75,7 +75,8 @@ def backend_setup(
     name: str, args: argparse.Namespace, workdir: Path, n: int, block: int
 ) -> Iterator[tuple[dict[str, Any], RawClient]]:
     """(daemon storage settings, raw client) for one backend; starts local servers if needed."""
-    obj, threads = block + HEADER_BYTES, len(shards(n, block, args.io_threads))
+    obj = block + HEADER_BYTES
+    threads = len(shards(n, block, 1 if name == "mooncake" else args.io_threads))  # what the daemon's tier uses
     with contextlib.ExitStack() as stack:
         if name == "file":
             root = Path(args.path) if args.path else _scratch(stack)

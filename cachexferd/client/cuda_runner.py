@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends.cuda_ipc import check_runner_tensors, export_tensors
 from ..protocol import KVLayout
-from .runner import torch_dtype
+from .runner import KVTensors, torch_dtype
 
 if TYPE_CHECKING:
     import torch
 
 
-class CudaKVCache:
+class CudaKVCache(KVTensors):
     """``num_layers * kv_tensors`` tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
     By default they are views of one allocation, evenly spaced, which lets the daemon move
@@ -66,17 +66,6 @@ class CudaKVCache:
         cache.device = tensors[0].device
         cache.tensors = list(tensors)
         return cache
-
-    def layer(self, index: int) -> tuple[torch.Tensor, ...]:
-        """(K, V) of one layer, or (latent,) for single-tensor (MLA) caches."""
-        kv = self.layout.kv_tensors
-        return tuple(self.tensors[index * kv : (index + 1) * kv])
-
-    def block_bytes(self, tensor: int, block: int) -> torch.Tensor:
-        """The raw bytes of one block of one tensor (for checks)."""
-        import torch
-
-        return self.tensors[tensor][block].reshape(-1).view(torch.uint8)
 
     def device_handle(self) -> dict[str, Any]:
         """A fresh export for one attach (see the module docstring)."""

@@ -48,7 +48,25 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-class ShmKVCache:
+class KVTensors:
+    """Accessors shared by the runner-side caches (``layout`` + ``tensors``)."""
+
+    layout: KVLayout
+    tensors: list[torch.Tensor]
+
+    def layer(self, index: int) -> tuple[torch.Tensor, ...]:
+        """(K, V) of one layer, or (latent,) for single-tensor (MLA) caches."""
+        kv = self.layout.kv_tensors
+        return tuple(self.tensors[index * kv : (index + 1) * kv])
+
+    def block_bytes(self, tensor: int, block: int) -> torch.Tensor:
+        """The raw bytes of one block of one tensor (for checks)."""
+        import torch
+
+        return self.tensors[tensor][block].reshape(-1).view(torch.uint8)
+
+
+class ShmKVCache(KVTensors):
     """A device KV cache for the cpu backend, in /dev/shm, owned (and unlinked) by the runner."""
 
     def __init__(self, layout: KVLayout, name: str | None = None) -> None:
@@ -71,17 +89,6 @@ class ShmKVCache:
         self.tensors: list[torch.Tensor] = [
             flat[o : o + layout.tensor_bytes].view(dtype).view(shape) for o in self.offsets
         ]
-
-    def layer(self, index: int) -> tuple[torch.Tensor, ...]:
-        """(K, V) of one layer, or (latent,) for single-tensor (MLA) caches."""
-        kv = self.layout.kv_tensors
-        return tuple(self.tensors[index * kv : (index + 1) * kv])
-
-    def block_bytes(self, tensor: int, block: int) -> torch.Tensor:
-        """The raw bytes of one block of one tensor (for checks)."""
-        import torch
-
-        return self.tensors[tensor][block].reshape(-1).view(torch.uint8)
 
     def device_handle(self) -> dict[str, Any]:
         return {"kind": "shm", "name": self.name, "offsets": list(self.offsets)}

@@ -189,7 +189,7 @@ class Daemon:
         runtime = self.config.runtime_dir
         try:
             runtime.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self._lock_file = open(runtime / "daemon.lock", "a+")
+            self._lock_file = open(runtime / "daemon.lock", "a+")  # noqa: SIM115 (held for the process lifetime)
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise DaemonError(f"another cachexferd is running with runtime dir {runtime}") from None

@@ -74,6 +74,9 @@ MISSING = GetResult(GetStatus.MISSING)
 
 class StorageBackend(ABC):
     name: str
+    # How many calls one command's objects may be split into (None: storage.io_threads).
+    # Backends whose client parallelises a batch itself (Mooncake) want 1.
+    max_shards: int | None = None
 
     def start(self) -> None:  # noqa: B027 - optional hook
         """Begins connecting (in the background for remote stores); never blocks for long."""

@@ -95,6 +95,7 @@ def _address_of(buffer: mmap.mmap) -> int:
 
 class MooncakeBackend(StorageBackend):
     name = "mooncake"
+    max_shards = 1  # the transfer engine spreads a batch over its own workers
 
     def __init__(self, config: Config, pool: HostPool) -> None:
         s = config.storage

@@ -103,6 +103,7 @@ class StorageTier:
         self.metrics = metrics
         self.timeout_s = config.timeout_s
         self.io = IOPool(config.io_threads)
+        self.shard_limit = min(config.io_threads, backend.max_shards or config.io_threads)
 
     def start(self) -> None:
         self.io.submit(self.backend.start)
@@ -121,7 +122,7 @@ class StorageTier:
         def call(part: slice) -> Call[list[str | None]]:
             return lambda stop: self._put(names[part], host_ids[part], codec, stop)
 
-        parts = shards(len(keys), block_bytes, self.config.io_threads)
+        parts = shards(len(keys), block_bytes, self.shard_limit)
         reasons = [r for chunk in await self._run("store", [call(p) for p in parts], cancel) for r in chunk]
         stored = next((i for i, r in enumerate(reasons) if r is not None), len(reasons))
         failed = [r for r in reasons if r is not None]
@@ -144,7 +145,7 @@ class StorageTier:
         def call(part: slice) -> Call[list[str]]:
             return lambda stop: self._get(names[part], host_ids[part], codec, stop)
 
-        parts = shards(len(keys), block_bytes, self.config.io_threads)
+        parts = shards(len(keys), block_bytes, self.shard_limit)
         outcome = LoadOutcome([s for chunk in await self._run("load", [call(p) for p in parts], cancel) for s in chunk])
         for kind in ("corrupt", "mismatch", "failed"):
             count = outcome.statuses.count(kind)

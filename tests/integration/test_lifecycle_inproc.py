@@ -17,7 +17,9 @@ from cachexferd.protocol import ErrorCode, KVLayout, SwapIn, SwapOut
 
 from ..helpers import InProcessDaemon, RawClient, config_for, fill_random
 
-BIG = KVLayout(num_layers=8, num_blocks=512, block_size=32, num_kv_heads=4, head_dim=64, dtype="bfloat16")  # 256 KiB blocks
+BIG = KVLayout(
+    num_layers=8, num_blocks=512, block_size=32, num_kv_heads=4, head_dim=64, dtype="bfloat16"
+)  # 256 KiB blocks
 
 
 @pytest.fixture
@@ -111,7 +113,10 @@ def test_detach_with_time_drains_everything(big_daemon: tuple[InProcessDaemon, S
     daemon, _ = big_daemon
     with EngineClient([daemon.endpoint]) as engine, RunnerClient(daemon.endpoint) as runner:
         engine.connect()
-        reqs = [engine.swap_out(list(range(64)), list(range(64))), engine.swap_in(list(range(300, 364)), list(range(64)))]
+        reqs = [
+            engine.swap_out(list(range(64)), list(range(64))),
+            engine.swap_in(list(range(300, 364)), list(range(64))),
+        ]
         reply = runner.detach(drain_timeout_s=30)
         done = engine.wait(reqs, timeout_s=30)
         assert all(c.ok for c in done.values()), [c.describe() for c in done.values()]

@@ -16,7 +16,6 @@ import torch
 from cachexferd.backends.cuda_copy import (
     Copy2D,
     DmaGeometry,
-    address_groups,
     batches,
     choose_method,
     dma_calls,
@@ -27,7 +26,7 @@ from cachexferd.backends.cuda_copy import (
 )
 from cachexferd.backends.cuda_runtime import EventWaiter
 from cachexferd.backends.cuda_stage import DeviceTensor, Stager, storage_groups
-from cachexferd.backends.plan import Run, coalesce
+from cachexferd.backends.plan import Run, coalesce, even_groups
 from cachexferd.protocol import DTYPE_BYTES, KVLayout
 
 LAYOUT = KVLayout(num_layers=3, num_blocks=24, block_size=2, num_kv_heads=2, head_dim=8, dtype="float16")
@@ -165,10 +164,10 @@ def test_single_tensor_layout_collapses_to_one_contiguous_copy() -> None:
                              10 * mla.chunk_bytes, 1)]  # fmt: skip
 
 
-def test_address_groups() -> None:
-    assert address_groups([0, 10, 20, 30]) == [(0, 4, 10)]
-    assert address_groups([0, 10, 25, 40, 100]) == [(0, 2, 10), (2, 2, 15), (4, 1, 0)]
-    assert address_groups([50, 0]) == [(0, 1, 0), (1, 1, 0)]
+def test_even_groups() -> None:
+    assert even_groups([0, 10, 20, 30]) == [(0, 4, 10)]
+    assert even_groups([0, 10, 25, 40, 100]) == [(0, 2, 10), (2, 2, 15), (4, 1, 0)]
+    assert even_groups([50, 0]) == [(0, 1, 0), (1, 1, 0)]
 
 
 def test_split_runs_keeps_runs_inside_pinning_chunks() -> None:
