@@ -72,8 +72,6 @@ class AsyncEngineClient:
         self._pump: asyncio.Task[None] | None = None
 
     async def connect(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-        if self._pump is None:
-            self._pump = asyncio.get_running_loop().create_task(self._run_pump())
         outcomes = [await self._call(i, self.core.hello(), timeout_s) for i in range(len(self.dealers))]
         for outcome in outcomes:
             check_ok(outcome)
@@ -123,6 +121,8 @@ class AsyncEngineClient:
         ]
 
     async def _call(self, index: int, cmd: Command, timeout_s: float) -> Outcome:
+        if self._pump is None:
+            self._pump = asyncio.get_running_loop().create_task(self._run_pump())
         future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self._calls[cmd.req_id] = future
         try:

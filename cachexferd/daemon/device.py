@@ -101,11 +101,13 @@ class DeviceSlot:
 
     async def _drain_and_close(self, drain_timeout_s: float) -> dict[str, Any]:
         entries = self.daemon.ordering.active(device_only=True)
-        pending = {e.done for e in entries}
+        # Wait for outcomes, not for released blocks: a storage call stuck past its deadline
+        # holds host blocks, never the device cache.
+        pending = {e.finished for e in entries}
         if pending:
             _, pending = await asyncio.wait(pending, timeout=drain_timeout_s)
         for entry in entries:
-            if entry.done in pending:
+            if entry.finished in pending:
                 entry.cancel.cancel(ErrorCode.DETACHED, "device cache detached before this command finished")
         if pending:
             await asyncio.wait(pending)  # cancelled copies stop at their next checkpoint

@@ -1,6 +1,7 @@
 """Submission-order guarantees for commands that touch the same blocks.
 
-Every asynchronous command declares which device and host blocks it reads and writes.
+Every asynchronous command declares which device and host blocks (and which storage keys)
+it reads and writes.
 A new command waits for every earlier, still-unfinished command it conflicts with:
 read-after-write, write-after-read and write-after-write on any block. Commands with no
 conflict start at once, so independent work overlaps. Registration happens on the event
@@ -23,6 +24,8 @@ class Access:
     host_read: frozenset[int] = frozenset()
     host_write: frozenset[int] = frozenset()
     all_host_write: bool = False  # clear-host: writes every host block
+    keys_read: frozenset[str] = frozenset()  # storage objects (load, lookup)
+    keys_write: frozenset[str] = frozenset()  # storage objects (store, delete)
 
     @property
     def touches_device(self) -> bool:
@@ -38,10 +41,12 @@ class Access:
             or _overlap(self.device_read, earlier.device_write)
             or _overlap(self.host_write, earlier.host_read, earlier.host_write)
             or _overlap(self.host_read, earlier.host_write)
+            or _overlap(self.keys_write, earlier.keys_read, earlier.keys_write)
+            or _overlap(self.keys_read, earlier.keys_write)
         )
 
 
-def _overlap(mine: frozenset[int], *theirs: frozenset[int]) -> bool:
+def _overlap(mine: frozenset[int] | frozenset[str], *theirs: frozenset[int] | frozenset[str]) -> bool:
     return bool(mine) and any(not mine.isdisjoint(other) for other in theirs if other)
 
 
@@ -54,10 +59,13 @@ def swap_access(device_ids: Iterable[int], host_ids: Iterable[int], to_host: boo
 
 @dataclass(eq=False)
 class Entry:
-    """One registered command; ``done`` resolves when its outcome is decided."""
+    """One registered command. ``finished`` resolves when its outcome is decided; ``done``
+    when its blocks are free for later commands (later only for work that overran, see
+    jobs.HoldBlocks)."""
 
     access: Access
     done: asyncio.Future[None]
+    finished: asyncio.Future[None]
     cancel: CancelToken = field(default_factory=CancelToken)
     started: bool = False
     code: int = 0  # the outcome's code, set just before release
@@ -70,9 +78,16 @@ class BlockOrdering:
     def register(self, access: Access) -> tuple[Entry, list[asyncio.Future[None]]]:
         """Adds a command; returns it and the futures it must wait for (in order)."""
         waits = [e.done for e in self._active if access.conflicts_with(e.access)]
-        entry = Entry(access, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        entry = Entry(access, loop.create_future(), loop.create_future())
         self._active.append(entry)
         return entry, waits
+
+    @staticmethod
+    def finish(entry: Entry, code: int) -> None:
+        entry.code = code
+        if not entry.finished.done():
+            entry.finished.set_result(None)
 
     def release(self, entry: Entry) -> None:
         self._active.remove(entry)

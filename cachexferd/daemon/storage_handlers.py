@@ -7,10 +7,10 @@ against every command touching the same blocks:
   ``host_ids`` (staging), so it reads those device blocks and writes those host blocks;
 - load writes ``host_ids`` (and ``device_ids``, copied host -> device for the delivered prefix);
 - lookup and delete touch no blocks.
-Storage keys are ordered by the same machinery: each key maps to a synthetic id above every
-real host block id, which store/delete declare as written and load/lookup as read. So
-"store K" then "load K" on one daemon reads what was stored, and "delete K" then "store K"
-leaves K stored, while loads and lookups of a shared prefix run concurrently.
+Storage keys are ordered by the same machinery (Access.keys_read / keys_write): store and
+delete write their keys, load and lookup read them. So "store K" then "load K" on one daemon
+reads what was stored, and "delete K" then "store K" leaves K stored, while loads and
+lookups of a shared prefix run concurrently.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends.base import CancelToken, Direction
 from ..backends.plan import check_ids, first_duplicate
-from ..protocol import Delete, ErrorCode, Limits, Load, Lookup, MsgType, ProtocolError, Store
+from ..protocol import Delete, ErrorCode, Load, Lookup, MsgType, ProtocolError, Store
 from .jobs import Job
 from .ordering import Access
 
@@ -29,16 +29,6 @@ if TYPE_CHECKING:
     from ..storage.tier import StorageTier
     from .server import Daemon
     from .sessions import Session
-
-# Synthetic ids for keys start above every possible host block id.
-_KEY_SPACE = (Limits.MAX_BLOCK_ID + 1) << 1
-_KEY_MASK = (1 << 61) - 1
-
-
-def key_ids(keys: Sequence[str]) -> frozenset[int]:
-    """Ordering ids of storage keys. Python's str hash is stable within the daemon process,
-    which is all the ordering needs; a collision only adds an unnecessary wait."""
-    return frozenset(_KEY_SPACE + (hash(k) & _KEY_MASK) for k in keys)
 
 
 class StorageHandlers:
@@ -107,9 +97,11 @@ class StorageHandlers:
             return await tier.store(keys, host_ids, block_bytes, fingerprint, cancel)
 
         if device_ids is None:
-            access = Access(host_read=frozenset(host_ids), host_write=key_ids(keys))
+            access = Access(host_read=frozenset(host_ids), keys_write=frozenset(keys))
         else:
-            access = Access(device_read=frozenset(device_ids), host_write=frozenset(host_ids) | key_ids(keys))
+            access = Access(
+                device_read=frozenset(device_ids), host_write=frozenset(host_ids), keys_write=frozenset(keys)
+            )
         return Job(access, work)
 
     # LOAD -------------------------------------------------------------------------------
@@ -129,7 +121,7 @@ class StorageHandlers:
             return result
 
         access = Access(
-            device_write=frozenset(device_ids or ()), host_read=key_ids(keys), host_write=frozenset(host_ids)
+            device_write=frozenset(device_ids or ()), keys_read=frozenset(keys), host_write=frozenset(host_ids)
         )
         return Job(access, work)
 
@@ -142,7 +134,7 @@ class StorageHandlers:
         async def work(cancel: CancelToken) -> dict[str, Any]:
             return {"prefix": await tier.lookup(keys, cancel)}
 
-        return Job(Access(host_read=key_ids(keys)), work)
+        return Job(Access(keys_read=frozenset(keys)), work)
 
     def handle_delete(self, session: Session, cmd: Delete) -> Job:
         tier = self._tier()
@@ -151,7 +143,7 @@ class StorageHandlers:
         async def work(cancel: CancelToken) -> dict[str, Any]:
             return {"deleted": await tier.delete(keys, cancel)}
 
-        return Job(Access(host_write=key_ids(keys)), work)
+        return Job(Access(keys_write=frozenset(keys)), work)
 
 
 def _no_duplicates(ids: Sequence[int], side: str) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -40,25 +41,11 @@ class StorageFailure(Exception):
 
 
 class GetStatus(StrEnum):
-    OK = "ok"  # header + payload delivered; the caller still verifies them
+    OK = "ok"  # header + payload delivered (and, after GetItem.landed, verified)
     MISSING = "missing"  # never stored, deleted or evicted: a normal miss
-    MISMATCH = "mismatch"  # the stored object has another size
+    MISMATCH = "mismatch"  # the stored object has another size, layout or format
+    CORRUPT = "corrupt"  # the object failed verification (GetItem.landed)
     FAILED = "failed"  # the store failed for this object (detail says why)
-
-
-@dataclass(slots=True)
-class PutItem:
-    name: str
-    header: bytes
-    payload: memoryview  # one host block, read-only use
-    address: int  # pointer to payload
-
-
-@dataclass(slots=True)
-class GetItem:
-    name: str
-    payload: memoryview  # one host block to fill
-    address: int  # pointer to payload
 
 
 @dataclass(slots=True)
@@ -70,6 +57,38 @@ class GetResult:
 
 
 MISSING = GetResult(GetStatus.MISSING)
+HeaderFn = Callable[[str, memoryview], bytes]
+VerifyFn = Callable[[str, GetResult, memoryview], GetResult]
+
+
+@dataclass(slots=True)
+class PutItem:
+    """One object to write. Backends call ``header()`` right before sending the object, so
+    the checksum pass reads a block that the write is about to read too (cache-hot)."""
+
+    name: str
+    payload: memoryview  # one host block, read-only use
+    address: int  # pointer to payload
+    make_header: HeaderFn
+
+    def header(self) -> bytes:
+        return self.make_header(self.name, self.payload)
+
+
+@dataclass(slots=True)
+class GetItem:
+    """One object to read. Backends pass each result through ``landed()`` as soon as the
+    object is in place, so verification reads a block that is still in the CPU cache."""
+
+    name: str
+    payload: memoryview  # one host block to fill
+    address: int  # pointer to payload
+    verify: VerifyFn | None = None
+
+    def landed(self, result: GetResult) -> GetResult:
+        if self.verify is None or result.status is not GetStatus.OK:
+            return result
+        return self.verify(self.name, result, self.payload)
 
 
 class StorageBackend(ABC):
@@ -87,7 +106,8 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def get(self, items: list[GetItem], stop: threading.Event) -> list[GetResult]:
-        """Reads each object: header into the result, payload into ``item.payload``."""
+        """Reads each object: header into the result, payload into ``item.payload``; every
+        result goes through ``item.landed`` before it is returned."""
 
     @abstractmethod
     def exists(self, names: list[str]) -> list[bool]:

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import logging
 import os
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,9 +39,10 @@ _TMP_DIR = ".tmp"
 _STALE_TMP_S = 3600.0  # temp files older than this were left by a crashed writer
 
 
-def object_path(root: Path, name: str) -> Path:
+def object_path(root: str, name: str) -> str:
+    """Where ``name`` lives under ``root`` (plain strings: pathlib costs microseconds per object)."""
     digest = hashlib.blake2b(name.encode(), digest_size=16).hexdigest()
-    return root / digest[:2] / digest[2:4] / digest
+    return f"{root}/{digest[:2]}/{digest[2:4]}/{digest}"
 
 
 class FileBackend(StorageBackend):
@@ -50,10 +51,12 @@ class FileBackend(StorageBackend):
     def __init__(self, root: Path, fsync: bool = False) -> None:
         self.root = root
         self.fsync = fsync
-        self._tmp = root / _TMP_DIR
-        self._made: set[Path] = set()  # fan-out dirs known to exist (set ops are atomic under the GIL)
+        self._root = str(root)
+        self._tmp = str(root / _TMP_DIR)
+        self._made: set[str] = set()  # fan-out dirs known to exist (set ops are atomic under the GIL)
         self._ready = False
         self._lock = threading.Lock()
+        self._serial = itertools.count()  # temp names: pid + counter, unique without uuid's cost
 
     def start(self) -> None:
         try:
@@ -68,7 +71,7 @@ class FileBackend(StorageBackend):
             return
         with self._lock:
             try:
-                self._tmp.mkdir(parents=True, exist_ok=True)
+                os.makedirs(self._tmp, exist_ok=True)
             except OSError as exc:
                 raise StorageUnavailable(f"storage directory {self.root}: {exc.strerror}") from None
             self._ready = True
@@ -95,12 +98,12 @@ class FileBackend(StorageBackend):
         return reasons
 
     def _put_one(self, item: PutItem) -> str | None:
-        final = object_path(self.root, item.name)
-        tmp = self._tmp / f"{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        final = object_path(self._root, item.name)
+        tmp = f"{self._tmp}/{final[-32:]}.{os.getpid()}.{next(self._serial)}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                _write_all(fd, [item.header, item.payload])
+                _write_all(fd, [item.header(), item.payload])
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -108,25 +111,26 @@ class FileBackend(StorageBackend):
             self._rename_into_place(tmp, final)
         except OSError as exc:
             _unlink_quietly(tmp)
-            if not self._tmp.is_dir():  # the directory itself went away (unmounted, removed)
+            if not os.path.isdir(self._tmp):  # the directory itself went away (unmounted, removed)
                 self._ready = False
                 self._made.clear()
                 raise StorageUnavailable(f"storage directory {self.root} is gone: {exc.strerror}") from None
             return f"{exc.strerror or exc}"
         return None
 
-    def _rename_into_place(self, tmp: Path, final: Path) -> None:
-        if final.parent not in self._made:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            self._made.add(final.parent)
+    def _rename_into_place(self, tmp: str, final: str) -> None:
+        parent = os.path.dirname(final)
+        if parent not in self._made:
+            os.makedirs(parent, exist_ok=True)
+            self._made.add(parent)
         try:
             os.rename(tmp, final)
         except FileNotFoundError:  # fan-out dir removed behind our back: make it again, once
-            self._made.discard(final.parent)
-            final.parent.mkdir(parents=True, exist_ok=True)
+            self._made.discard(parent)
+            os.makedirs(parent, exist_ok=True)
             os.rename(tmp, final)
         if self.fsync:
-            _fsync_dir(final.parent)
+            _fsync_dir(parent)
 
     # Reading ------------------------------------------------------------------------------
 
@@ -137,20 +141,22 @@ class FileBackend(StorageBackend):
             if stop.is_set():
                 results.append(GetResult(GetStatus.FAILED, detail="stopped"))
                 continue
-            results.append(self._get_one(item))
+            results.append(item.landed(self._get_one(item, stop)))
         return results
 
-    def _get_one(self, item: GetItem) -> GetResult:
+    def _get_one(self, item: GetItem, stop: threading.Event) -> GetResult:
         try:
-            fd = os.open(object_path(self.root, item.name), os.O_RDONLY)
+            fd = os.open(object_path(self._root, item.name), os.O_RDONLY)
         except FileNotFoundError:
             return MISSING
         except OSError as exc:
             return GetResult(GetStatus.FAILED, detail=exc.strerror or str(exc))
+        if stop.is_set():  # the open hung past the deadline: the host block is no longer ours
+            os.close(fd)
+            return GetResult(GetStatus.FAILED, detail="stopped")
         header = bytearray(HEADER_BYTES)
-        extra = bytearray(1)  # a byte past the expected end means the object is too long
         try:
-            received = _read_all(fd, [header, item.payload, extra])
+            received = _read_object(fd, header, item.payload)
         except OSError as exc:
             return GetResult(GetStatus.FAILED, detail=exc.strerror or str(exc))
         finally:
@@ -161,7 +167,7 @@ class FileBackend(StorageBackend):
         self._ensure_root()
         found: list[bool] = []
         for name in names:
-            found.append(object_path(self.root, name).is_file())
+            found.append(os.path.isfile(object_path(self._root, name)))
             if not found[-1]:  # a prefix query needs nothing past the first miss
                 found += [False] * (len(names) - len(found))
                 break
@@ -172,7 +178,7 @@ class FileBackend(StorageBackend):
         removed = 0
         for name in names:
             try:
-                os.unlink(object_path(self.root, name))
+                os.unlink(object_path(self._root, name))
                 removed += 1
             except FileNotFoundError:
                 pass
@@ -182,36 +188,39 @@ class FileBackend(StorageBackend):
         return {"backend": self.name, "path": str(self.root), "state": "ready" if self._ready else "unavailable"}
 
 
+def _after(views: list[memoryview], done: int) -> list[memoryview]:
+    """The buffers still to fill once ``done`` bytes went into ``views``."""
+    rest = []
+    for view in views:
+        if done >= len(view):
+            done -= len(view)
+            continue
+        rest.append(view[done:])
+        done = 0
+    return rest
+
+
 def _write_all(fd: int, buffers: list[Any]) -> None:
     views = [memoryview(b).cast("B") for b in buffers]
-    while views:
-        written = os.writev(fd, views)
-        while views and written >= len(views[0]):
-            written -= len(views[0])
-            views.pop(0)
-        if views and written:
-            views[0] = views[0][written:]
+    total, written = sum(len(v) for v in views), 0
+    while written < total:  # one writev in the common case; loops only on a short write
+        written += os.writev(fd, _after(views, written) if written else views)
 
 
-def _read_all(fd: int, buffers: list[Any]) -> int:
-    """Fills the buffers in order until EOF; returns the bytes read."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    total = offset = 0
-    while views:
-        got = os.preadv(fd, views, offset)
+def _read_object(fd: int, header: bytearray, payload: memoryview) -> int:
+    """Reads header + payload, plus one byte past them to notice a longer object; returns
+    the bytes read. One preadv in the common case (a regular file reads fully up to EOF)."""
+    views = [memoryview(header), payload, memoryview(bytearray(1))]
+    expected, total = len(header) + len(payload), 0
+    while total < expected:
+        got = os.preadv(fd, _after(views, total) if total else views, total)
         if got == 0:
             break
         total += got
-        offset += got
-        while views and got >= len(views[0]):
-            got -= len(views[0])
-            views.pop(0)
-        if views and got:
-            views[0] = views[0][got:]
     return total
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -219,7 +228,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _unlink_quietly(path: Path) -> None:
+def _unlink_quietly(path: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
 

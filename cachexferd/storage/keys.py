@@ -43,8 +43,11 @@ _I64 = struct.Struct("<q")
 class HasFingerprint(Protocol):
     """What ``KeySpace.for_layout`` needs from a KVLayout (duck-typed: no protocol import)."""
 
-    dtype: str
-    block_size: int
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def block_size(self) -> int: ...
 
     def fingerprint(self) -> str: ...
 

@@ -177,7 +177,10 @@ class MooncakeBackend(StorageBackend):
         """The store, once connected; waits a bounded time for a connect in progress."""
         if not self._connected.is_set():
             self._kick()
-            if not self._connected.wait(min(self.wait_s, 5.0)):
+            connector = self._connector
+            if connector is not None:  # returns as soon as the attempt ends, failed or not
+                connector.join(min(self.wait_s, 5.0))
+            if not self._connected.is_set():
                 raise StorageUnavailable(self.last_error or f"mooncake: still connecting to master {self.master}")
         if self._suspect:
             self._probe()
@@ -211,7 +214,7 @@ class MooncakeBackend(StorageBackend):
             ptrs, sizes = [], []
             for i, item in enumerate(chunk):
                 slot = self.arena.slot(group, i)
-                self.arena.view[slot : slot + HEADER_BYTES] = item.header
+                self.arena.view[slot : slot + HEADER_BYTES] = item.header()
                 ptrs.append([self.arena.address + slot, item.address])
                 sizes.append([HEADER_BYTES, len(item.payload)])
             codes = store.batch_put_from_multi_buffers([i.name for i in chunk], ptrs, sizes)
@@ -232,7 +235,9 @@ class MooncakeBackend(StorageBackend):
             codes = store.batch_get_into_multi_buffers([i.name for i in chunk], ptrs, sizes)
             if any(c not in NOT_FOUND for c in codes):
                 self._check_transport(codes, "get")
-            results += [self._get_result(store, item, code, s) for item, code, s in zip(chunk, codes, slots)]
+            results += [
+                item.landed(self._get_result(store, item, code, s)) for item, code, s in zip(chunk, codes, slots)
+            ]
         return results
 
     def _get_result(self, store: Any, item: GetItem, code: int, slot: int) -> GetResult:

@@ -34,6 +34,7 @@ metric, never as delivered blocks.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 import zlib
@@ -66,6 +67,7 @@ def name_digest(name: str) -> bytes:
     return hashlib.blake2b(name.encode(), digest_size=8).digest()
 
 
+@functools.lru_cache(maxsize=64)
 def _fingerprint_bytes(fingerprint: str) -> bytes:
     raw = bytes.fromhex(fingerprint)
     if len(raw) != 8:
@@ -78,7 +80,7 @@ def sum64(payload: Any) -> int:
     reductions release the GIL so I/O threads checksum in parallel."""
     import torch
 
-    view = memoryview(payload).cast("B")
+    view = payload if isinstance(payload, memoryview) and payload.format == "B" else memoryview(payload).cast("B")
     page_bytes = PAGE_WORDS * 8
     if len(view) % page_bytes:  # odd sizes: zero-pad a copy to whole pages (same sum)
         padded = torch.zeros(-(-len(view) // page_bytes) * PAGE_WORDS, dtype=torch.int64)
@@ -88,11 +90,26 @@ def sum64(payload: Any) -> int:
     else:
         words = torch.frombuffer(view, dtype=torch.int64) if len(view) else torch.zeros(0, dtype=torch.int64)
     pages = words.view(-1, PAGE_WORDS).sum(1, dtype=torch.int64)
-    weights = torch.arange(1, len(pages) + 1, dtype=torch.int64)
-    # int64 arithmetic wraps like u64 modulo 2**64; the mask maps the signed result back.
-    a = int(pages.sum()) & _MASK
-    b = int((pages * weights).sum()) & _MASK
+    # One matrix-vector product gives (A, B); int64 arithmetic wraps like u64 modulo 2**64,
+    # and the mask maps the signed results back.
+    sums: list[int] = (_weights(len(pages)) @ pages).tolist()
+    a, b = sums[0] & _MASK, sums[1] & _MASK
     return a ^ (((b << 32) | (b >> 32)) & _MASK)
+
+
+_WEIGHTS: dict[int, Any] = {}
+
+
+def _weights(pages: int) -> Any:
+    """[[1, 1, ...], [1, 2, ...]] (int64) for ``pages`` pages, cached per size."""
+    import torch
+
+    found = _WEIGHTS.get(pages)
+    if found is None:
+        found = torch.stack([torch.ones(pages, dtype=torch.int64), torch.arange(1, pages + 1, dtype=torch.int64)])
+        if len(_WEIGHTS) < 64:
+            _WEIGHTS[pages] = found
+    return found
 
 
 def sum64_reference(payload: bytes) -> int:
@@ -136,7 +153,7 @@ class ObjectCodec:
         byte the backend delivered (header included; more than object_bytes is CORRUPT)."""
         if len(header) < HEADER_BYTES or received < HEADER_BYTES:
             return Verdict.CORRUPT, f"object of {received} bytes is shorter than a header"
-        head = bytes(header[: _HEAD.size])
+        head = header[: _HEAD.size]
         magic, version, header_len, kind, _, length, layout, digest, checksum = _HEAD.unpack(head)
         if magic != MAGIC:
             return Verdict.CORRUPT, "bad magic"

@@ -66,18 +66,25 @@ class RedisBackend(StorageBackend):
         self._state = "unknown"
 
     @contextmanager
-    def _connection(self) -> Iterator[Any]:
-        """A pooled connection; redis-py errors become the storage exceptions."""
+    def _connection(self) -> Iterator[tuple[Any, RespReader]]:
+        """A pooled connection and a reader for its replies; redis-py and socket errors
+        become the storage exceptions, and a connection left out of step is dropped."""
         errors = self._redis_lib.exceptions
         pool = self.client.connection_pool
         try:
             conn = pool.get_connection()
+            if conn._sock is None:  # the pool normally hands out connected connections
+                conn.connect()
         except errors.TimeoutError as exc:
             raise self._down(StorageTimeoutError, exc) from None
         except (errors.ConnectionError, OSError) as exc:
             raise self._down(StorageUnavailable, exc) from None
         try:
-            yield conn
+            sock: Any = conn._sock
+            reader = RespReader(sock)
+            yield conn, reader
+            if reader.pending:
+                conn.disconnect()
             self._state = "ready"
         except (errors.TimeoutError, TimeoutError) as exc:
             conn.disconnect()
@@ -102,14 +109,20 @@ class RedisBackend(StorageBackend):
         pass  # redis-py connects on first use; nothing to do ahead of time
 
     def put(self, items: list[PutItem], stop: threading.Event) -> list[str | None]:
-        with self._connection() as conn:
+        with self._connection() as (conn, reader):
+            sent = 0
             for item in items:
-                total = len(item.header) + len(item.payload)
-                head = b"*3\r\n$3\r\nSET\r\n" + _bulk(item.name.encode()) + b"$%d\r\n" % total
-                conn.send_packed_command([head, item.header, item.payload, b"\r\n"], check_health=False)
-            reader = RespReader(conn._sock)
-            replies = [reader.simple() for _ in items]
-        return [None if reply == b"OK" else f"redis: {reply!r}" for reply in replies]
+                if stop.is_set():
+                    break
+                header = item.header()
+                head = (
+                    b"*3\r\n$3\r\nSET\r\n" + _bulk(item.name.encode()) + b"$%d\r\n" % (len(header) + len(item.payload))
+                )
+                conn.send_packed_command([head, header, item.payload, b"\r\n"], check_health=False)
+                sent += 1
+            replies = [reader.simple() for _ in range(sent)]
+        reasons = [None if reply == b"OK" else f"redis: {reply!r}" for reply in replies]
+        return reasons + ["stopped"] * (len(items) - sent)
 
     def get(self, items: list[GetItem], stop: threading.Event) -> list[GetResult]:
         results: list[GetResult] = []
@@ -117,12 +130,11 @@ class RedisBackend(StorageBackend):
             if stop.is_set():
                 results += [GetResult(GetStatus.FAILED, detail="stopped")] * len(chunk)
                 continue
-            with self._connection() as conn:
+            with self._connection() as (conn, reader):
                 conn.send_command("MGET", *[item.name for item in chunk], check_health=False)
-                reader = RespReader(conn._sock)
                 if reader.array_length() != len(chunk):
                     raise ProtocolViolation("MGET answered with a different number of values")
-                results += [self._receive(reader, item, stop) for item in chunk]
+                results += [item.landed(self._receive(reader, item, stop)) for item in chunk]
         return results
 
     @staticmethod
@@ -145,11 +157,10 @@ class RedisBackend(StorageBackend):
 
     def exists(self, names: list[str]) -> list[bool]:
         found: list[bool] = []
-        with self._connection() as conn:
+        with self._connection() as (conn, reader):
             for start in range(0, len(names), _PIPELINE_KEYS):
                 chunk = names[start : start + _PIPELINE_KEYS]
                 conn.send_packed_command(conn.pack_commands([("EXISTS", n) for n in chunk]), check_health=False)
-                reader = RespReader(conn._sock)
                 found += [reader.simple() == 1 for _ in chunk]
                 if not all(found):
                     break  # a prefix query needs nothing past the first miss
@@ -157,10 +168,10 @@ class RedisBackend(StorageBackend):
 
     def delete(self, names: list[str]) -> int:
         removed = 0
-        with self._connection() as conn:
+        with self._connection() as (conn, reader):
             for start in range(0, len(names), _PIPELINE_KEYS):
                 conn.send_command("UNLINK", *names[start : start + _PIPELINE_KEYS], check_health=False)
-                reply = RespReader(conn._sock).simple()
+                reply = reader.simple()
                 if isinstance(reply, RespError):
                     raise StorageFailure(f"redis UNLINK: {reply}")
                 removed += int(reply)

@@ -30,6 +30,12 @@ class RespReader:
         self.buf = bytearray()
         self.pos = 0
 
+    @property
+    def pending(self) -> int:
+        """Bytes received but not consumed: non-zero after a full exchange means the
+        connection is out of step with its replies and must be dropped."""
+        return len(self.buf) - self.pos
+
     def _fill(self) -> None:
         if self.pos and self.pos >= len(self.buf) // 2:  # keep the buffer from growing forever
             del self.buf[: self.pos]

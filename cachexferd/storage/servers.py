@@ -207,7 +207,11 @@ class MooncakeCluster:
 
     def start(self) -> MooncakeCluster:
         self.master_proc.start()
-        self.node.start()
+        try:
+            self.node.start()
+        except BaseException:
+            self.master_proc.stop()  # never leave a master behind
+            raise
         return self
 
     def stop(self) -> None:

@@ -21,13 +21,24 @@ import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..daemon.jobs import HoldBlocks
 from ..protocol import ErrorCode, ProtocolError
-from .base import GetItem, GetStatus, PutItem, StorageBackend, StorageFailure, StorageTimeoutError, StorageUnavailable
-from .objects import ObjectCodec, Verdict
+from .base import (
+    GetItem,
+    GetResult,
+    GetStatus,
+    PutItem,
+    StorageBackend,
+    StorageFailure,
+    StorageTimeoutError,
+    StorageUnavailable,
+)
+from .objects import Checksum, ObjectCodec, Verdict
 
 if TYPE_CHECKING:
     from ..backends.base import CancelToken
@@ -68,10 +79,13 @@ class IOPool:
                 future.set_exception(exc)
 
     def close(self, timeout_s: float = 2.0) -> None:
+        """Lets queued calls finish, then stops; a thread stuck in a call is left behind
+        (daemon threads do not keep the process alive) after ``timeout_s`` in all."""
         for _ in self._threads:
             self._queue.put(None)
+        deadline = time.monotonic() + timeout_s
         for thread in self._threads:
-            thread.join(timeout_s)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 @dataclass
@@ -102,6 +116,7 @@ class StorageTier:
         self.pool = pool
         self.metrics = metrics
         self.timeout_s = config.timeout_s
+        self.checksum = Checksum[config.checksum.upper()]  # of new objects; loads verify either kind
         self.io = IOPool(config.io_threads)
         self.shard_limit = min(config.io_threads, backend.max_shards or config.io_threads)
 
@@ -116,7 +131,7 @@ class StorageTier:
     async def store(
         self, keys: Sequence[str], host_ids: Sequence[int], block_bytes: int, fingerprint: str, cancel: CancelToken
     ) -> dict[str, Any]:
-        codec = ObjectCodec(fingerprint, block_bytes)
+        codec = ObjectCodec(fingerprint, block_bytes, self.checksum)
         names = [self.name_of(k) for k in keys]
 
         def call(part: slice) -> Call[list[str | None]]:
@@ -139,7 +154,7 @@ class StorageTier:
         self, keys: Sequence[str], host_ids: Sequence[int], block_bytes: int, fingerprint: str, cancel: CancelToken
     ) -> int:
         """Reads objects into host blocks; returns the length of the delivered prefix."""
-        codec = ObjectCodec(fingerprint, block_bytes)
+        codec = ObjectCodec(fingerprint, block_bytes, self.checksum)
         names = [self.name_of(k) for k in keys]
 
         def call(part: slice) -> Call[list[str]]:
@@ -178,27 +193,19 @@ class StorageTier:
     def _put(
         self, names: list[str], host_ids: Sequence[int], codec: ObjectCodec, stop: threading.Event
     ) -> list[str | None]:
-        items = []
-        for name, host_id in zip(names, host_ids):
-            if stop.is_set():  # never checksum a block the engine may have reused since
-                return ["stopped"] * len(names)
-            view, address = self._view(host_id, codec.block_bytes)
-            items.append(PutItem(name, codec.header(name, view), view, address))
+        # Backends check ``stop`` before each object and compute its header (the checksum
+        # pass) only then: a block the engine may have reused since is never checksummed.
+        items = [PutItem(name, *self._view(h, codec.block_bytes), codec.header) for name, h in zip(names, host_ids)]
         return self.backend.put(items, stop)
 
     def _get(self, names: list[str], host_ids: Sequence[int], codec: ObjectCodec, stop: threading.Event) -> list[str]:
-        items = [GetItem(name, *self._view(h, codec.block_bytes)) for name, h in zip(names, host_ids)]
+        verify = functools.partial(_verify, codec)
+        items = [GetItem(name, *self._view(h, codec.block_bytes), verify) for name, h in zip(names, host_ids)]
         statuses: list[str] = []
         problems: list[str] = []  # logged once per call: a bad batch must not flood the log
         for item, got in zip(items, self.backend.get(items, stop)):
-            if got.status is GetStatus.OK:
-                verdict, why = codec.check(item.name, got.header, item.payload, got.received)
-                statuses.append(verdict.value)
-                if verdict is not Verdict.OK:
-                    problems.append(f"{item.name}: {verdict.value}: {why}")
-                continue
             statuses.append(got.status.value)
-            if got.status is not GetStatus.MISSING and got.detail != "stopped":
+            if got.status not in (GetStatus.OK, GetStatus.MISSING) and got.detail != "stopped":
                 problems.append(f"{item.name}: {got.status.value}: {got.detail}")
         if problems:
             log.warning("load: %d of %d objects refused or failed (first %s)", len(problems), len(items), problems[0])
@@ -215,10 +222,9 @@ class StorageTier:
             results = [f.result() for f in futures]
         except BaseException as exc:
             stop.set()
-            if futures:  # the workers must let go of host memory before the outcome goes out
+            stuck: set[asyncio.Future[Any]] = set()
+            if futures:  # the workers should let go of host memory before the outcome goes out
                 _, stuck = await asyncio.wait(futures, timeout=self.timeout_s)
-                if stuck:
-                    log.error("%s: %d storage calls still running after the grace period", op, len(stuck))
             for f in futures:  # retrieve, so asyncio does not log "exception never retrieved"
                 if f.done() and not f.cancelled():
                     f.exception()
@@ -226,6 +232,11 @@ class StorageTier:
                 raise
             error = self._protocol_error(op, exc)
             self.metrics.storage_ops.labels(op, error.code.name.lower()).inc()
+            if stuck:
+                # The outcome goes out now; the command's blocks stay reserved until the
+                # stuck calls end, so they can never write into a reused host block.
+                log.error("%s: %d storage calls still running after the grace period", op, len(stuck))
+                raise HoldBlocks(error.code, error.detail, asyncio.gather(*stuck, return_exceptions=True)) from None
             raise error from None
         self.metrics.storage_ops.labels(op, "ok").inc()
         return results
@@ -282,6 +293,14 @@ class StorageTier:
             self.backend.close()
         except Exception as exc:
             log.warning("closing storage backend %s: %s", self.backend.name, exc)
+
+
+def _verify(codec: ObjectCodec, name: str, got: GetResult, payload: memoryview) -> GetResult:
+    verdict, why = codec.check(name, got.header, payload, got.received)
+    if verdict is Verdict.OK:
+        return got
+    status = GetStatus.MISMATCH if verdict is Verdict.MISMATCH else GetStatus.CORRUPT
+    return GetResult(status, got.header, got.received, why)
 
 
 def open_storage(config: Config, pool: HostPool, metrics: DaemonMetrics) -> StorageTier | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cachexferd.client import EngineClient, RunnerClient, ShmKVCache
-from cachexferd.protocol import ErrorCode, KVLayout, SwapIn, SwapOut
+from cachexferd.protocol import ErrorCode, KVLayout, Ping, SwapIn, SwapOut
 
 from ..helpers import InProcessDaemon, RawClient, config_for, fill_random
 
@@ -87,6 +87,9 @@ def test_detach_cancels_queued_copies_and_unmaps(short_tmp: Path) -> None:
             for req_id in range(1, 41):  # a chain of conflicting copies: most are queued
                 cmd = SwapOut if req_id % 2 else SwapIn
                 raw.send_cmd(cmd(req_id=req_id, device_ids=ids if req_id % 2 else list(range(256, 512)), host_ids=ids))
+            # The detach travels on another socket: make sure the daemon has read all 40 first
+            # (a DEALER's messages arrive in order, so the ping's reply proves it).
+            assert raw.call(Ping(req_id=500)).ok
             reply = runner.detach(drain_timeout_s=0.0)
             got = _events(raw, 40)
             codes = [c for codes in got.values() for c in codes]

@@ -48,3 +48,19 @@ def test_device_only_listing() -> None:
         assert order.active(device_only=True) == [dev]
 
     asyncio.run(scenario())
+
+
+def test_finished_and_done_are_separate() -> None:
+    """An entry held past its outcome (storage call stuck) still blocks conflicting work."""
+
+    async def scenario() -> None:
+        order = BlockOrdering()
+        held, _ = order.register(Access(host_write=frozenset({5}), device_read=frozenset({1})))
+        order.finish(held, 33)
+        assert held.finished.done() and not held.done.done()
+        _, waits = order.register(Access(host_read=frozenset({5})))
+        assert waits == [held.done]
+        order.release(held)
+        assert held.done.done()
+
+    asyncio.run(scenario())

@@ -1,0 +1,97 @@
+"""Storage-test rig: a daemon (in-process or subprocess) with an attached runner cache and a
+connected engine client, plus helpers to run storage commands and read storage metrics."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from cachexferd.client import EngineClient, RunnerClient, ShmKVCache
+from cachexferd.client.pending import Completion
+from cachexferd.launch import DaemonProcess
+from cachexferd.protocol import KVLayout
+from cachexferd.storage.keys import KeySpace
+
+from .helpers import SMALL, InProcessDaemon, config_for, fill_random, snapshot
+
+WAIT_S = 30.0
+
+
+class Node:
+    """One daemon + one runner cache (random bytes from ``seed``) + one engine client."""
+
+    def __init__(self, endpoint: str, layout: KVLayout, seed: int, stop: Callable[[], None]) -> None:
+        self.endpoint, self._stop = endpoint, stop
+        self.cache = ShmKVCache(layout)
+        fill_random(self.cache, seed)
+        self.before = snapshot(self.cache)
+        self.runner = RunnerClient(endpoint)
+        self.runner.attach(self.cache)
+        self.engine = EngineClient([endpoint], timeout_s=WAIT_S)
+        self.engine.connect()
+
+    @classmethod
+    def in_process(cls, runtime: Path, seed: int = 0, layout: KVLayout = SMALL, **settings: Any) -> Node:
+        daemon = InProcessDaemon(config_for(runtime, **settings)).start()
+        node = cls(daemon.endpoint, layout, seed, daemon.stop)
+        node.inproc = daemon
+        return node
+
+    @classmethod
+    def subprocess(cls, daemon: DaemonProcess, seed: int = 0, layout: KVLayout = SMALL) -> Node:
+        return cls(daemon.endpoint, layout, seed, daemon.stop)
+
+    inproc: InProcessDaemon | None = None
+
+    # Commands ---------------------------------------------------------------------------
+
+    def run(self, op: str, *args: Any, timeout_s: float = WAIT_S, **kwargs: Any) -> Completion:
+        req = getattr(self.engine, op)(*args, **kwargs)
+        return self.engine.wait([req], timeout_s)[req]
+
+    def ok(self, op: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        done = self.run(op, *args, **kwargs)
+        assert done.ok, done.describe()
+        return done.result()
+
+    def error(self, op: str, *args: Any, **kwargs: Any) -> tuple[str, str]:
+        """(error name, detail) of a command that must fail on rank 0."""
+        done = self.run(op, *args, **kwargs)
+        assert not done.ok, f"{op} unexpectedly succeeded: {done.result()}"
+        return done.errors[0]
+
+    # Introspection ----------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return self.engine.status()[0]
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample from the daemon's /metrics endpoint (0.0 when absent)."""
+        url = self.status()["metrics_url"]
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return float(sample.value)
+        return 0.0
+
+    def close(self) -> None:
+        self.engine.close()
+        try:
+            self.runner.detach()
+        finally:
+            self.runner.close()
+            self.cache.close()
+            self._stop()
+
+
+def key_space(model: str = "test-model", weights: str = "w1", tp_size: int = 1) -> KeySpace:
+    return KeySpace.for_layout(model, SMALL, weights_version=weights, tp_size=tp_size)
+
+
+def prompt(n_tokens: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n_tokens))

@@ -1,0 +1,257 @@
+"""Storage tier logic with a scripted backend: sharding, prefixes, deadlines, stop, error codes,
+and the ordering ids storage commands declare. (Real backends: tests/integration.)"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from cachexferd.backends.base import CancelToken
+from cachexferd.config import load_config
+from cachexferd.daemon.ordering import Access
+from cachexferd.daemon.jobs import HoldBlocks
+from cachexferd.host_cache import HostPool
+from cachexferd.metrics import DaemonMetrics
+from cachexferd.protocol import ErrorCode, ProtocolError
+from cachexferd.storage.base import (
+    MISSING,
+    GetItem,
+    GetResult,
+    GetStatus,
+    PutItem,
+    StorageBackend,
+    StorageFailure,
+    StorageUnavailable,
+)
+from cachexferd.storage.tier import IOPool, StorageTier, shards
+
+FP = "0123456789abcdef"
+BLOCK = 4096
+
+
+class Scripted(StorageBackend):
+    """Keeps objects in a dict; ``hold`` makes calls wait; ``fail`` raises from every call."""
+
+    name = "scripted"
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.hold = threading.Event()
+        self.hold.set()
+        self.fail: Exception | None = None
+        self.refuse: set[str] = set()
+        self.saw_stop = threading.Event()
+        self.finished = threading.Event()
+
+    def _enter(self, stop: threading.Event) -> None:
+        if self.fail is not None:
+            raise self.fail
+        while not self.hold.wait(0.01):
+            pass
+        if stop.is_set():
+            self.saw_stop.set()
+
+    def put(self, items: list[PutItem], stop: threading.Event) -> list[str | None]:
+        self._enter(stop)
+        out: list[str | None] = []
+        for item in items:
+            if item.name in self.refuse:
+                out.append("refused")
+                continue
+            self.objects[item.name] = item.header() + bytes(item.payload)
+            out.append(None)
+        return out
+
+    def get(self, items: list[GetItem], stop: threading.Event) -> list[GetResult]:
+        self._enter(stop)
+        out = []
+        for item in items:
+            raw = self.objects.get(item.name)
+            if raw is None or stop.is_set():
+                out.append(MISSING)
+                continue
+            item.payload[:] = raw[64:]
+            out.append(item.landed(GetResult(GetStatus.OK, raw[:64], len(raw))))
+        self.finished.set()
+        return out
+
+    def exists(self, names: list[str]) -> list[bool]:
+        self._enter(threading.Event())
+        return [n in self.objects for n in names]
+
+    def delete(self, names: list[str]) -> int:
+        self._enter(threading.Event())
+        return sum(1 for n in names if self.objects.pop(n, None) is not None)
+
+
+@pytest.fixture
+def tier() -> Iterator[StorageTier]:
+    config = load_config(overrides={"storage.timeout_s": 0.3, "storage.io_threads": 2}, environ={})
+    pool = HostPool(64 * BLOCK)
+    pool.tensor.random_(0, 256)
+    t = StorageTier(Scripted(), config.storage, pool, DaemonMetrics(0, "cpu"))
+    yield t
+    t.backend.hold.set()  # type: ignore[attr-defined]
+    t.close()
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def errors(t: StorageTier, kind: str) -> float:
+    value = t.metrics.registry.get_sample_value("cachexferd_storage_errors_total", {"kind": kind})
+    return value or 0.0
+
+
+def test_shards_are_contiguous_bounded_and_not_tiny() -> None:
+    assert shards(0, BLOCK, 4) == []
+    assert shards(10, BLOCK, 4) == [slice(0, 10)]  # 40 KiB: one call
+    parts = shards(64, 1 << 20, 4)
+    assert len(parts) == 4 and parts[0].start == 0 and parts[-1].stop == 64
+    assert all(a.stop == b.start for a, b in itertools.pairwise(parts))
+    assert len(shards(3, 1 << 30, 8)) == 3
+
+
+def test_io_pool_runs_calls_and_returns_exceptions() -> None:
+    pool = IOPool(2)
+    try:
+        assert pool.submit(lambda: 41 + 1).result(5) == 42
+        with pytest.raises(ZeroDivisionError):
+            pool.submit(lambda: 1 / 0).result(5)
+    finally:
+        pool.close()
+
+
+def test_store_then_load_reports_the_contiguous_prefix(tier: StorageTier) -> None:
+    keys = [f"k{i}" for i in range(6)]
+    result = run(tier.store(keys, list(range(6)), BLOCK, FP, CancelToken()))
+    assert result == {"stored": 6, "failed": 0, "bytes": 6 * BLOCK}
+    assert run(tier.load(keys, list(range(10, 16)), BLOCK, FP, CancelToken())) == 6
+    assert bytes(tier.pool.memory(10 * BLOCK, 6 * BLOCK)) == bytes(tier.pool.memory(0, 6 * BLOCK))
+    del tier.backend.objects["k3"]  # type: ignore[attr-defined]
+    assert run(tier.load(keys, list(range(10, 16)), BLOCK, FP, CancelToken())) == 3
+    assert run(tier.lookup(keys, CancelToken())) == 3
+    assert run(tier.delete(keys[:2], CancelToken())) == 2
+    assert run(tier.lookup(keys, CancelToken())) == 0
+
+
+def test_corrupt_and_mismatched_objects_end_the_prefix_and_count(tier: StorageTier) -> None:
+    keys = ["a", "b", "c"]
+    run(tier.store(keys, [0, 1, 2], BLOCK, FP, CancelToken()))
+    objects = tier.backend.objects  # type: ignore[attr-defined]
+    raw = bytearray(objects["b"])
+    raw[100] ^= 1
+    objects["b"] = bytes(raw)
+    assert run(tier.load(keys, [20, 21, 22], BLOCK, FP, CancelToken())) == 1
+    assert errors(tier, "corrupt") == 1
+    run(tier.store(["b"], [1], BLOCK, "fedcba9876543210", CancelToken()))  # same key, other layout
+    assert run(tier.load(keys, [20, 21, 22], BLOCK, FP, CancelToken())) == 1
+    assert errors(tier, "mismatch") == 1
+
+
+def test_partial_and_total_store_failures(tier: StorageTier) -> None:
+    tier.backend.refuse = {"k2"}  # type: ignore[attr-defined]
+    result = run(tier.store(["k0", "k1", "k2", "k3"], [0, 1, 2, 3], BLOCK, FP, CancelToken()))
+    assert result["stored"] == 2 and result["failed"] == 1
+    tier.backend.refuse = {"x"}  # type: ignore[attr-defined]
+    with pytest.raises(ProtocolError) as exc:
+        run(tier.store(["x"], [0], BLOCK, FP, CancelToken()))
+    assert exc.value.code == ErrorCode.STORAGE_ERROR
+
+
+@pytest.mark.parametrize(
+    ("failure", "code"),
+    [
+        (StorageUnavailable("down"), ErrorCode.STORAGE_UNAVAILABLE),
+        (StorageFailure("said no"), ErrorCode.STORAGE_ERROR),
+        (RuntimeError("binding bug"), ErrorCode.STORAGE_ERROR),
+    ],
+)
+def test_backend_exceptions_become_storage_codes(tier: StorageTier, failure: Exception, code: ErrorCode) -> None:
+    tier.backend.fail = failure  # type: ignore[attr-defined]
+    for call in (
+        tier.load(["k"], [0], BLOCK, FP, CancelToken()),
+        tier.store(["k"], [0], BLOCK, FP, CancelToken()),
+        tier.lookup(["k"], CancelToken()),
+        tier.delete(["k"], CancelToken()),
+    ):
+        with pytest.raises(ProtocolError) as exc:
+            run(call)
+        assert exc.value.code == code
+    tier.backend.fail = None  # type: ignore[attr-defined]
+    assert run(tier.lookup(["k"], CancelToken())) == 0  # recovered
+
+
+def test_timeout_stops_the_worker_before_the_outcome(tier: StorageTier) -> None:
+    run(tier.store(["k"], [0], BLOCK, FP, CancelToken()))
+    backend: Scripted = tier.backend  # type: ignore[assignment]
+    backend.hold.clear()
+    threading.Timer(0.45, backend.hold.set).start()  # stuck past the 0.3 s deadline, then returns
+    start = time.monotonic()
+    with pytest.raises(ProtocolError) as exc:
+        run(tier.load(["k"], [5], BLOCK, FP, CancelToken()))
+    assert exc.value.code == ErrorCode.STORAGE_TIMEOUT
+    assert 0.3 <= time.monotonic() - start < 2.0
+    assert backend.saw_stop.is_set() and backend.finished.is_set()  # it had let go of host memory
+    assert bytes(tier.pool.memory(5 * BLOCK, BLOCK)) != bytes(tier.pool.memory(0, BLOCK))
+    assert errors(tier, "timeout") == 1
+
+
+def test_cancel_token_ends_the_wait_with_its_code(tier: StorageTier) -> None:
+    tier.backend.hold.clear()  # type: ignore[attr-defined]
+    cancel = CancelToken()
+    threading.Timer(0.05, cancel.cancel, (ErrorCode.DETACHED, "detached")).start()
+    threading.Timer(0.1, tier.backend.hold.set).start()  # type: ignore[attr-defined]
+    with pytest.raises(ProtocolError) as exc:
+        run(tier.lookup(["k"], cancel))
+    assert exc.value.code == ErrorCode.DETACHED
+
+
+def test_keys_order_same_key_commands_only() -> None:
+    store_k = Access(host_read=frozenset({1}), keys_write=frozenset({"K"}))
+    load_k = Access(keys_read=frozenset({"K"}), host_write=frozenset({2}))
+    load_k_again = Access(keys_read=frozenset({"K"}), host_write=frozenset({3}))
+    load_j = Access(keys_read=frozenset({"J"}), host_write=frozenset({4}))
+    delete_k = Access(keys_write=frozenset({"K"}))
+    assert load_k.conflicts_with(store_k) and delete_k.conflicts_with(load_k)
+    assert not load_k_again.conflicts_with(load_k)  # shared prefixes load concurrently
+    assert not load_j.conflicts_with(store_k)
+    assert not Access(all_host_write=True).conflicts_with(delete_k)  # clear-host leaves keys alone
+
+
+def test_call_stuck_past_the_grace_keeps_its_blocks_reserved(tier: StorageTier) -> None:
+    run(tier.store(["k"], [0], BLOCK, FP, CancelToken()))
+    backend: Scripted = tier.backend  # type: ignore[assignment]
+    backend.hold.clear()  # stuck past the 0.3 s deadline and the 0.3 s grace
+
+    async def scenario() -> None:
+        with pytest.raises(HoldBlocks) as exc:
+            await tier.load(["k"], [5], BLOCK, FP, CancelToken())
+        assert exc.value.code == ErrorCode.STORAGE_TIMEOUT
+        running = asyncio.ensure_future(exc.value.running)
+        await asyncio.sleep(0.05)
+        assert not running.done()  # the blocks stay reserved while the call is stuck
+        backend.hold.set()
+        await asyncio.wait_for(running, 5)
+
+    run(scenario())
+
+
+def test_configured_checksum_kind_is_written() -> None:
+    config = load_config(overrides={"storage.checksum": "crc32"}, environ={})
+    pool = HostPool(16 * BLOCK)
+    t = StorageTier(Scripted(), config.storage, pool, DaemonMetrics(0, "cpu"))
+    try:
+        run(t.store(["k"], [0], BLOCK, FP, CancelToken()))
+        header = t.backend.objects["k"][:64]  # type: ignore[attr-defined]
+        assert int.from_bytes(header[8:10], "little") == 1  # crc32
+        assert run(t.load(["k"], [1], BLOCK, FP, CancelToken())) == 1
+    finally:
+        t.close()
