@@ -14,8 +14,8 @@ import pytest
 
 from cachexferd.backends.base import CancelToken
 from cachexferd.config import load_config
-from cachexferd.daemon.ordering import Access
 from cachexferd.daemon.jobs import HoldBlocks
+from cachexferd.daemon.ordering import Access
 from cachexferd.host_cache import HostPool
 from cachexferd.metrics import DaemonMetrics
 from cachexferd.protocol import ErrorCode, ProtocolError
