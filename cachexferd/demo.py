@@ -40,6 +40,8 @@ def add_demo(sub: Any) -> None:
     p.add_argument("--keep", action="store_true", help="keep the temp dir (daemon logs) afterwards")
     p.add_argument("--storage", default="file", choices=("file", "redis", "mooncake", "none"),
                    help="storage backend for the prefill->decode handoff part ('none' skips it)")  # fmt: skip
+    p.add_argument("--storage-url", help="redis: URL of a running server (default: start one on loopback)")
+    p.add_argument("--storage-master", help="mooncake: master host:port (default: start a master + node on loopback)")
     p.set_defaults(func=run)
 
 
@@ -193,7 +195,7 @@ def run_storage_part(args: argparse.Namespace, workdir: Path) -> bool:
     except ImportError:
         print("prefill->decode handoff: skipped (storage tier not installed)")
         return True
-    summary = run_pd_handoff(workdir / "pd", backend=args.storage)
+    summary = run_pd_handoff(workdir / "pd", backend=args.storage, url=args.storage_url, master=args.storage_master)
     ok = bool(summary.get("ok"))
     print(f"prefill->decode handoff via {args.storage}: {'OK' if ok else 'FAILED'} {summary.get('detail', '')}")
     return ok
