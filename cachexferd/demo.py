@@ -175,9 +175,8 @@ def print_summary(
     p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else 0.0
     print(f"  commands   {len(plan.completions)} swaps ({len(errors)} failed), {blocks} blocks per rank")
     print(f"  moved      {human_bytes(moved)} over {TP} ranks in {elapsed:.2f} s = {moved / elapsed / 1e9:.2f} GB/s")
-    print(
-        f"  latency    p50 {statistics.median(lat) if lat else 0:.2f} ms, p99 {p99:.2f} ms (submit -> all ranks done)"
-    )
+    p50 = statistics.median(lat) if lat else 0.0
+    print(f"  latency    p50 {p50:.2f} ms, p99 {p99:.2f} ms (submit -> all ranks done; a round is sent at once)")
     for status in statuses:
         print(f"  rank {status['rank']}     {status['endpoint']}   metrics {status['metrics_url']}")
     for line in errors[:10]:
