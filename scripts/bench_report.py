@@ -62,7 +62,8 @@ def main() -> None:
     parser.add_argument("json")
     parser.add_argument("--plot")
     args = parser.parse_args()
-    data = json.load(open(args.json))
+    with open(args.json) as f:
+        data = json.load(f)
     print(table(data["rows"]))
     if args.plot:
         m = data["machine"]

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..host_cache import HostPool
+from .cuda_runtime import settle
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +69,6 @@ class _Waiter:
 
     def __init__(self, end: int, loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]) -> None:
         self.end, self.loop, self.future = end, loop, future
-
-
-def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
 
 
 class ChunkPinner:
@@ -232,7 +224,7 @@ class ChunkPinner:
 
 def _call_soon(waiter: _Waiter, error: BaseException | None) -> None:
     with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-        waiter.loop.call_soon_threadsafe(_resolve, waiter.future, error)
+        waiter.loop.call_soon_threadsafe(settle, waiter.future, error)
 
 
 class PinnedHostPool(HostPool):

@@ -196,7 +196,7 @@ class EventWaiter:
             if on_done is not None:
                 on_done()
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-                loop.call_soon_threadsafe(_settle, future, error)
+                loop.call_soon_threadsafe(settle, future, error)
 
         self._queue.put((event, finish))
         return future
@@ -219,7 +219,8 @@ class EventWaiter:
         self._thread.join(timeout_s)
 
 
-def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+def settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    """Completes an asyncio future from the loop thread (via call_soon_threadsafe)."""
     if future.done():
         return
     if error is None:

@@ -18,14 +18,12 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+
+from ..launch import ManagedProcess as ServerProcess
 
 LOOPBACK = "127.0.0.1"
 MOONCAKE_HINT = "pip install 'cachexferd[mooncake]' (mooncake-transfer-engine-non-cuda; apt install libibverbs1)"
@@ -70,72 +68,6 @@ def require_binary(names: Sequence[str], env_var: str, hint: str) -> str:
     if path is None:
         raise ServerUnavailable(f"{' or '.join(names)} not found (set {env_var}, or {hint})")
     return path
-
-
-class ServerProcess:
-    """One server subprocess: started with a readiness check, stopped by PID."""
-
-    def __init__(
-        self, name: str, argv: list[str], log_path: Path, ready: Callable[[], bool], env: dict[str, str] | None = None
-    ) -> None:
-        self.name, self.argv, self.log_path, self.ready, self.env = name, argv, log_path, ready, env or {}
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def start(self, timeout_s: float = 20.0) -> None:
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(
-            self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.env}, start_new_session=True,
-        )  # fmt: skip
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if self.ready():
-                return
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"{self.name} not ready after {timeout_s}s:\n{self.log_tail()}")
-
-    def signal(self, sig: int) -> None:
-        if self.proc is not None and self.alive:
-            os.kill(self.proc.pid, sig)
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM by PID, SIGKILL if it does not exit within timeout_s."""
-        if self.proc is not None and self.alive:
-            self.signal(signal.SIGCONT)  # a paused server cannot act on SIGTERM
-            self.signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._close_log()
-
-    def kill(self) -> None:
-        if self.proc is not None and self.alive:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        self._close_log()
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def log_tail(self, lines: int = 20) -> str:
-        if not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
 class RedisServer:

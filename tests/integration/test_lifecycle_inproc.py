@@ -120,6 +120,7 @@ def test_detach_with_time_drains_everything(big_daemon: tuple[InProcessDaemon, S
             engine.swap_out(list(range(64)), list(range(64))),
             engine.swap_in(list(range(300, 364)), list(range(64))),
         ]
+        engine.status()  # same socket as the swaps: once answered, the daemon has read them
         reply = runner.detach(drain_timeout_s=30)
         done = engine.wait(reqs, timeout_s=30)
         assert all(c.ok for c in done.values()), [c.describe() for c in done.values()]

@@ -239,7 +239,7 @@ def test_detach_cancels_a_load_waiting_on_storage(short_tmp: Path, store_dir: Pa
         os.makedirs(os.path.dirname(fifo), exist_ok=True)
         os.mkfifo(fifo)
         req = node.engine.load(KEYS[:1], host_ids=[0], device_ids=[0])
-        time.sleep(0.2)
+        node.engine.status()  # same socket as the load: once answered, the daemon has read it
         runner = RunnerClient(node.endpoint)
         threading.Timer(0.5, _release_fifo, (fifo,)).start()  # the stuck worker lets go later
         runner.detach(drain_timeout_s=0.1)
