@@ -16,7 +16,7 @@ from cachexferd.launch import DaemonProcess
 from cachexferd.protocol import KVLayout
 from cachexferd.storage.keys import KeySpace
 
-from .helpers import SMALL, InProcessDaemon, config_for, fill_random, snapshot
+from .helpers import SMALL, InProcessDaemon, assert_moved, assert_untouched, config_for, fill_random, snapshot
 
 WAIT_S = 30.0
 
@@ -87,6 +87,17 @@ class Node:
             self.runner.close()
             self.cache.close()
             self._stop()
+
+
+def store_and_load_back(node: Node, keys: list[str]) -> None:
+    """Stores 4 device blocks under ``keys``, finds them, loads them into other device
+    blocks: exact bytes there, every other block unchanged."""
+    src, dst = [1, 2, 3, 4], [40, 41, 42, 43]
+    assert node.ok("store", keys, host_ids=[0, 1, 2, 3], device_ids=src)["stored"] == 4
+    assert node.ok("lookup", keys)["prefix"] == 4
+    assert node.ok("load", keys, host_ids=[10, 11, 12, 13], device_ids=dst)["loaded"] == 4
+    assert_moved(node.cache, dst, node.before, src)
+    assert_untouched(node.cache, node.before, dst)
 
 
 def key_space(model: str = "test-model", weights: str = "w1", tp_size: int = 1) -> KeySpace:

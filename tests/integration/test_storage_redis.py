@@ -12,7 +12,7 @@ import pytest
 from cachexferd.storage.servers import RedisServer
 from tests.helpers import assert_moved, assert_untouched
 from tests.servers import redis_server  # noqa: F401 - fixture
-from tests.storage_rig import Node, key_space, prompt
+from tests.storage_rig import Node, key_space, prompt, store_and_load_back
 
 pytestmark = pytest.mark.redis
 
@@ -39,12 +39,7 @@ def raw_client(server: RedisServer) -> object:
 
 
 def test_roundtrip_misses_and_delete(node: Node, keys: list[str]) -> None:
-    src, dst = [1, 2, 3, 4], [40, 41, 42, 43]
-    assert node.ok("store", keys, host_ids=[0, 1, 2, 3], device_ids=src)["stored"] == 4
-    assert node.ok("lookup", keys)["prefix"] == 4
-    assert node.ok("load", keys, host_ids=[10, 11, 12, 13], device_ids=dst)["loaded"] == 4
-    assert_moved(node.cache, dst, node.before, src)
-    assert_untouched(node.cache, node.before, dst)
+    store_and_load_back(node, keys)
     assert node.ok("delete", keys[2:])["deleted"] == 2
     assert node.ok("lookup", keys)["prefix"] == 2
     assert node.ok("load", keys, host_ids=[10, 11, 12, 13])["loaded"] == 2
