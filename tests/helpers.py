@@ -172,3 +172,35 @@ class RawClient:
         if self.events is not None:
             self.events.close(0)
         self.ctx.term()
+
+
+def submit_random_pipeline(
+    engine: Any, rng: Any, device_blocks: int, host_blocks: int, commands: int = 300
+) -> tuple[list[int], list[int]]:
+    """Sends ``commands`` random, conflicting swaps without waiting. Returns their req_ids and
+    the sequential model's answer: for each device block, the original block it must hold
+    once they all completed (as if run one by one)."""
+    device = list(range(device_blocks))  # model: original block each device block holds
+    host: list[int | None] = [None] * host_blocks
+    req_ids = []
+    for _ in range(commands):
+        n = rng.randint(1, 6)
+        dev_ids, host_ids = rng.sample(range(device_blocks), n), rng.sample(range(host_blocks), n)
+        if rng.random() < 0.5:
+            req_ids.append(engine.swap_out(dev_ids, host_ids))
+            for d, h in zip(dev_ids, host_ids):
+                host[h] = device[d]
+            continue
+        pairs = [(d, h) for d, h in zip(dev_ids, host_ids) if host[h] is not None]
+        if pairs:
+            req_ids.append(engine.swap_in([d for d, _ in pairs], [h for _, h in pairs]))
+            for d, h in pairs:
+                device[d] = host[h]  # type: ignore[assignment]
+    return req_ids, device
+
+
+def assert_matches_model(cache: Any, original: Sequence[torch.Tensor], expected: Sequence[int]) -> None:
+    for t, tensor in enumerate(cache.tensors):
+        raw = tensor.view(torch.uint8)
+        for b, source in enumerate(expected):
+            assert torch.equal(raw[b], original[t][source]), f"tensor {t} block {b} should hold original block {source}"

@@ -12,7 +12,17 @@ import torch
 from cachexferd.client import EngineClient, RunnerClient, ShmKVCache
 from cachexferd.protocol import DTYPE_BYTES, KVLayout
 
-from ..helpers import SMALL, InProcessDaemon, assert_moved, assert_untouched, config_for, fill_random, snapshot
+from ..helpers import (
+    SMALL,
+    InProcessDaemon,
+    assert_matches_model,
+    assert_moved,
+    assert_untouched,
+    config_for,
+    fill_random,
+    snapshot,
+    submit_random_pipeline,
+)
 
 
 @pytest.fixture
@@ -96,32 +106,11 @@ def test_random_pipelines_match_sequential_model(
 ) -> None:
     """Hundreds of pipelined, conflicting commands end exactly as if run one by one."""
     fill_random(shm_cache, seed=11)
-    rng = random.Random(7)
-    nb, host_blocks = SMALL.num_blocks, 24
-    device = [("orig", b) for b in range(nb)]  # model: what each block holds
-    host: list[tuple[str, int] | None] = [None] * host_blocks
     original = snapshot(shm_cache)
     with RunnerClient(inproc.endpoint) as runner, runner.attached(shm_cache):
-        req_ids = []
-        for _ in range(300):
-            n = rng.randint(1, 6)
-            dev_ids, host_ids = rng.sample(range(nb), n), rng.sample(range(host_blocks), n)
-            if rng.random() < 0.5:
-                req_ids.append(engine.swap_out(dev_ids, host_ids))
-                for d, h in zip(dev_ids, host_ids):
-                    host[h] = device[d]
-            else:
-                pairs = [(d, h) for d, h in zip(dev_ids, host_ids) if host[h] is not None]
-                if not pairs:
-                    continue
-                req_ids.append(engine.swap_in([d for d, _ in pairs], [h for _, h in pairs]))
-                for d, h in pairs:
-                    device[d] = host[h]  # type: ignore[assignment]
+        req_ids, expected = submit_random_pipeline(engine, random.Random(7), SMALL.num_blocks, 24)
         _ok(engine, *req_ids)
-    for t, tensor in enumerate(shm_cache.tensors):
-        raw = tensor.view(torch.uint8)
-        for b, (_, source) in enumerate(device):
-            assert torch.equal(raw[b], original[t][source]), f"tensor {t} block {b} should hold original block {source}"
+    assert_matches_model(shm_cache, original, expected)
 
 
 def test_directions_overlap(short_tmp: Path) -> None:

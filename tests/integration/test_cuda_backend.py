@@ -22,7 +22,14 @@ from cachexferd.client.cuda_runner import CudaKVCache
 from cachexferd.launch import DaemonProcess
 from cachexferd.protocol import DTYPE_BYTES, ErrorCode, KVLayout
 
-from ..helpers import assert_moved, assert_untouched, fill_random, snapshot
+from ..helpers import (
+    assert_matches_model,
+    assert_moved,
+    assert_untouched,
+    fill_random,
+    snapshot,
+    submit_random_pipeline,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -205,34 +212,14 @@ def test_ipc_pipelined_same_block_ordering(spawn_daemon: Spawn, engine_factory: 
     daemon = cuda_daemon(spawn_daemon)
     engine = engine_factory(daemon.endpoint)
     layout = layout_for("bfloat16")
-    rng = random.Random(11)
-    nb, host_blocks = layout.num_blocks, 24
-    model = [("orig", b) for b in range(nb)]
-    host: list[tuple[str, int] | None] = [None] * host_blocks
     with CudaKVCache(layout, "cuda:0") as kv, RunnerClient(daemon.endpoint) as runner:
         fill_random(kv, seed=11)
         torch.cuda.synchronize()
         original = snapshot(kv)
         with runner.attached(kv):
-            req_ids = []
-            for _ in range(300):
-                n = rng.randint(1, 6)
-                dev, hosts = rng.sample(range(nb), n), rng.sample(range(host_blocks), n)
-                if rng.random() < 0.5:
-                    req_ids.append(engine.swap_out(dev, hosts))
-                    for d, h in zip(dev, hosts):
-                        host[h] = model[d]
-                    continue
-                pairs = [(d, h) for d, h in zip(dev, hosts) if host[h] is not None]
-                if pairs:
-                    req_ids.append(engine.swap_in([d for d, _ in pairs], [h for _, h in pairs]))
-                    for d, h in pairs:
-                        model[d] = host[h]  # type: ignore[assignment]
+            req_ids, expected = submit_random_pipeline(engine, random.Random(11), layout.num_blocks, 24)
             _ok(engine, *req_ids)
-        for t, tensor in enumerate(kv.tensors):
-            raw = tensor.view(torch.uint8)
-            for b, (_, origin) in enumerate(model):
-                assert torch.equal(raw[b], original[t][origin]), f"tensor {t} block {b} should hold block {origin}"
+        assert_matches_model(kv, original, expected)
 
 
 def _free_everything() -> None:
