@@ -51,8 +51,7 @@ class InProcessDaemon:
                 await self.daemon.start()
             finally:
                 self._ready.set()
-            assert self.daemon._stop is not None
-            await self.daemon._stop.wait()
+            await self.daemon.wait_stop_requested()
             await self.daemon.shutdown()
 
         try:

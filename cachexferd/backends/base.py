@@ -7,9 +7,11 @@ loop can await it; implementations do the byte moving off the loop (threads, CUD
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -52,6 +54,15 @@ class AttachError(Exception):
         self.code = code
 
 
+@dataclass(frozen=True)
+class SwapRequest:
+    """One command's block pairs, for ``DeviceCache.swap_many``."""
+
+    device_ids: Sequence[int]
+    host_ids: Sequence[int]
+    cancel: CancelToken
+
+
 class DeviceCache(ABC):
     """A runner's KV cache as imported into the daemon."""
 
@@ -62,6 +73,16 @@ class DeviceCache(ABC):
         self, direction: Direction, device_ids: Sequence[int], host_ids: Sequence[int], cancel: CancelToken
     ) -> int:
         """Copies block pairs in ``direction``; returns bytes moved. Ids are validated already."""
+
+    async def swap_many(self, direction: Direction, requests: Sequence[SwapRequest]) -> list[BaseException | None]:
+        """Runs several commands' swaps at once: one result each (None, or the error that
+        failed that command alone). The requests are independent (the daemon's ordering only
+        hands over commands that touch no block another unfinished one writes). A backend
+        overrides this to move a whole batch with one hand-off; this default swaps each."""
+        results = await asyncio.gather(
+            *(self.swap(direction, r.device_ids, r.host_ids, r.cancel) for r in requests), return_exceptions=True
+        )
+        return [r if isinstance(r, BaseException) else None for r in results]
 
     @property
     @abstractmethod

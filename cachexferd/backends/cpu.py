@@ -10,7 +10,8 @@ Copies are torch ``copy_`` calls on strided uint8 views, which release the GIL:
 - tensors evenly spaced in the segment form one *group*, viewed as ``[num_blocks, g, chunk]``,
   so one copy moves a block (or a run of consecutive blocks) of every tensor in the group;
 - consecutive ids are coalesced into runs (one copy per run and group);
-- single blocks are batched into ``torch._foreach_copy_`` to avoid per-call Python cost;
+- single blocks are batched into ``torch._foreach_copy_`` to avoid per-call Python cost,
+  across all the commands of a batch (``swap_many``: one hand-off per batch, not per command);
 - the runs are cut into shards that run on ``copy_threads`` workers per direction, and
   device->host and host->device have separate workers, so both directions run at once.
 torch's own intra-op threads are set to 1 in the daemon: the workers are the parallelism.
@@ -32,8 +33,8 @@ import torch
 
 from ..host_cache import HostGeometry, HostPool
 from ..protocol import ErrorCode, KVLayout, ProtocolError
-from .base import AttachError, Backend, CancelToken, DeviceCache, Direction
-from .plan import Run, coalesce, even_groups, shard
+from .base import AttachError, Backend, CancelToken, DeviceCache, Direction, SwapRequest
+from .plan import Run, coalesce, even_groups, shard_tagged
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -62,7 +63,7 @@ def validate_offsets(offsets: Any, layout: KVLayout, segment_bytes: int) -> list
     ordered = sorted(offsets)
     for a, b in itertools.pairwise(ordered):
         if b - a < layout.tensor_bytes:
-            raise AttachError(f"device tensors at offsets {a} and {b} overlap", ErrorCode.BAD_FIELD)
+            raise AttachError(f"device tensors at offsets {a} and {b} overlap", ErrorCode.LAYOUT_MISMATCH)
     if ordered[-1] + layout.tensor_bytes > segment_bytes:
         raise AttachError(
             f"tensor at offset {ordered[-1]} needs {layout.tensor_bytes} bytes; segment has {segment_bytes}",
@@ -121,47 +122,57 @@ class CpuDeviceCache(DeviceCache):
     async def swap(
         self, direction: Direction, device_ids: Sequence[int], host_ids: Sequence[int], cancel: CancelToken
     ) -> int:
-        pool = self._backend.pools[direction]
-        total = len(device_ids) * self.layout.host_block_bytes
-        parts = max(1, min(self._backend.copy_threads, total // _MIN_SHARD_BYTES))
-        shards = shard(coalesce(device_ids, host_ids), parts)
-        futures = [asyncio.wrap_future(pool.submit(self._copy_shard, direction, s, cancel)) for s in shards]
-        results = await asyncio.gather(*futures, return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        (error,) = await self.swap_many(direction, [SwapRequest(device_ids, host_ids, cancel)])
+        if error is not None:
+            raise error
         return len(device_ids) * self.layout.host_block_bytes
 
-    def _copy_shard(self, direction: Direction, runs: list[Run], cancel: CancelToken) -> None:
-        try:
-            self._copy_runs(direction, runs, cancel)
-        except ProtocolError as exc:
-            # Raise a fresh error: the original's traceback holds the worker frame, whose
-            # views would keep the segment mapped after detach until the GC ran.
-            raise ProtocolError(exc.code, exc.detail) from None
+    async def swap_many(self, direction: Direction, requests: Sequence[SwapRequest]) -> list[BaseException | None]:
+        pool = self._backend.pools[direction]
+        blocks = sum(len(r.device_ids) for r in requests)
+        parts = max(1, min(self._backend.copy_threads, blocks * self.layout.host_block_bytes // _MIN_SHARD_BYTES))
+        jobs = [(i, coalesce(r.device_ids, r.host_ids)) for i, r in enumerate(requests)]
+        cancels = [r.cancel for r in requests]
+        shards = shard_tagged(jobs, parts)
+        futures = [asyncio.wrap_future(pool.submit(self._copy_shard, direction, s, cancels)) for s in shards]
+        results: list[BaseException | None] = [None] * len(requests)
+        for outcome in await asyncio.gather(*futures, return_exceptions=True):
+            if isinstance(outcome, BaseException):  # a bug in the worker: every command of the batch fails
+                return [outcome] * len(requests)
+            for index, error in outcome.items():
+                results[index] = results[index] or error
+        return results
 
-    def _copy_runs(self, direction: Direction, runs: list[Run], cancel: CancelToken) -> None:
-        """Runs on a worker thread; torch releases the GIL inside each copy."""
+    def _copy_shard(
+        self, direction: Direction, items: list[tuple[int, list[Run]]], cancels: list[CancelToken]
+    ) -> dict[int, ProtocolError]:
+        """Runs on a worker thread; torch releases the GIL inside each copy. Returns the
+        commands that were cancelled, with fresh errors: a raised error's traceback would
+        hold this frame, whose views keep the segment mapped after detach until the GC ran."""
+        failed: dict[int, ProtocolError] = {}
         to_host = direction is Direction.D2H
         for group in self.groups:
             src_view, dst_view = (group.device, group.host) if to_host else (group.host, group.device)
             singles_src: list[torch.Tensor] = []
             singles_dst: list[torch.Tensor] = []
-            for run in runs:
-                s, d = (run.device, run.host) if to_host else (run.host, run.device)
-                if run.length == 1:
+            for index, runs in items:
+                cancel = cancels[index]
+                if cancel.cancelled:
+                    failed.setdefault(index, ProtocolError(cancel.code, cancel.detail))
+                    continue
+                for run in runs:
+                    s, d = (run.device, run.host) if to_host else (run.host, run.device)
+                    if run.length > 1:
+                        dst_view[d : d + run.length].copy_(src_view[s : s + run.length])
+                        continue
                     singles_src.append(src_view[s])
                     singles_dst.append(dst_view[d])
                     if len(singles_src) == _FOREACH_BATCH:
-                        cancel.check()
                         torch._foreach_copy_(singles_dst, singles_src)
                         singles_src, singles_dst = [], []
-                else:
-                    cancel.check()
-                    dst_view[d : d + run.length].copy_(src_view[s : s + run.length])
             if singles_src:
-                cancel.check()
                 torch._foreach_copy_(singles_dst, singles_src)
+        return failed
 
     def close(self) -> None:
         # Dropping the last views unmaps the segment (torch owns the mapping); collect so

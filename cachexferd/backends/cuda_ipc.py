@@ -190,7 +190,7 @@ def check_overlaps(storages: Sequence[SharedStorage], tensors: Sequence[TensorRe
     )
     for (h1, start1, i1), (h2, start2, i2) in itertools.pairwise(spans):
         if h1 == h2 and start2 < start1 + tensor_bytes:
-            raise _bad(f"device.tensors[{i1}] and device.tensors[{i2}] overlap")
+            raise _bad(f"device.tensors[{i1}] and device.tensors[{i2}] overlap", ErrorCode.LAYOUT_MISMATCH)
 
 
 # Importing (daemon side) ----------------------------------------------------------------

@@ -40,23 +40,33 @@ def shard(runs: Sequence[Run], parts: int) -> list[list[Run]]:
     Long runs are cut so one huge run still spreads over all workers. Shards never share
     a block, so they can run on different threads without coordination.
     """
-    total = sum(run.length for run in runs)
+    return [[run for _, piece in part for run in piece] for part in shard_tagged([(0, runs)], parts)]
+
+
+def shard_tagged(jobs: Sequence[tuple[int, Sequence[Run]]], parts: int) -> list[list[tuple[int, list[Run]]]]:
+    """``shard`` for the runs of several commands at once, keeping each run's command tag:
+    at most ``parts`` lists of (tag, runs) with nearly equal block counts, in order."""
+    total = sum(run.length for _, runs in jobs for run in runs)
     if total == 0:
         return []
-    parts = max(1, min(parts, total))
-    target = -(-total // parts)  # ceil
-    shards: list[list[Run]] = [[]]
+    target = -(-total // max(1, min(parts, total)))  # ceil
+    shards: list[list[tuple[int, list[Run]]]] = [[]]
     room = target
-    for run in runs:
-        d, h, left = run.device, run.host, run.length
-        while left:
-            if room == 0:
-                shards.append([])
-                room = target
-            take = min(left, room)
-            shards[-1].append(Run(d, h, take))
-            d, h, left, room = d + take, h + take, left - take, room - take
-    return shards
+    for tag, runs in jobs:
+        piece: list[Run] = []
+        shards[-1].append((tag, piece))
+        for run in runs:
+            d, h, left = run.device, run.host, run.length
+            while left:
+                if room == 0:
+                    shards.append([])
+                    piece = []
+                    shards[-1].append((tag, piece))
+                    room = target
+                take = min(left, room)
+                piece.append(Run(d, h, take))
+                d, h, left, room = d + take, h + take, left - take, room - take
+    return [[(tag, piece) for tag, piece in part if piece] for part in shards if any(p for _, p in part)]
 
 
 def even_groups(values: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -73,22 +83,3 @@ def even_groups(values: Sequence[int]) -> list[tuple[int, int, int]]:
         groups.append((i, count, stride))
         i += count
     return groups
-
-
-def check_ids(ids: Sequence[int], limit: int, name: str) -> str | None:
-    """Returns a reason when some id is not in [0, limit), else None."""
-    if ids and (min(ids) < 0 or max(ids) >= limit):
-        bad = next(i for i in ids if not 0 <= i < limit)
-        return f"{name} holds {bad}, outside [0, {limit})"
-    return None
-
-
-def first_duplicate(ids: Sequence[int]) -> int | None:
-    if len(set(ids)) == len(ids):
-        return None
-    seen: set[int] = set()
-    for i in ids:
-        if i in seen:
-            return i
-        seen.add(i)
-    return None  # unreachable

@@ -34,12 +34,12 @@ from typing import Any
 
 from ..client import EngineClient, RunnerClient, ShmKVCache
 from ..config import parse_size
+from ..daemon.storage_tier import shards
 from ..launch import DaemonProcess
 from ..protocol import KVLayout
 from ..status import human_bytes
 from ..storage.objects import HEADER_BYTES
 from ..storage.servers import MooncakeCluster, RedisServer, ServerUnavailable
-from ..storage.tier import shards
 from .storage_raw import RawClient, RawFile, RawMooncake, RawRedis
 
 BACKENDS = ("file", "redis", "mooncake")

@@ -1,7 +1,8 @@
 """asyncio engine client: ``await client.swap_out(...)`` returns the aggregated Completion.
 
-One pump task reads the event socket and every DEALER, resolves futures by req_id, sends
-heartbeats and expires deadlines. No task or thread per message.
+It offers every command method of the sync client (they are written once, in
+commands.py). One pump task reads the event socket and every DEALER, resolves futures by
+req_id, sends heartbeats and expires deadlines. No task or thread per message.
 """
 
 from __future__ import annotations
@@ -17,26 +18,17 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from ..protocol import (
-    Command,
-    ErrorCode,
-    MsgType,
-    Outcome,
-    ProtocolError,
-    Shutdown,
-    Status,
-    decode_outcome,
-    encode_command,
-)
-from .core import EngineCore, Fields
+from ..protocol import Command, ErrorCode, MsgType, Outcome, Shutdown, Status, encode_body, encode_command
+from .commands import CommandMethods, Fields
+from .core import EngineCore
 from .engine import default_events_endpoint
-from .link import SOCKET_OPTIONS, ClientError, check_ok
+from .link import SOCKET_OPTIONS, ClientError, check_ok, read_outcomes
 from .pending import Completion
 
 _PUMP_TICK_S = 0.05
 
 
-class AsyncEngineClient:
+class AsyncEngineClient(CommandMethods[asyncio.Future[Completion]]):
     def __init__(
         self,
         endpoints: Sequence[str],
@@ -78,35 +70,18 @@ class AsyncEngineClient:
         self.core.accept_hellos(outcomes)
         return [o.result for o in outcomes]
 
-    # Commands ------------------------------------------------------------------------
+    # Commands (the methods are in CommandMethods) ----------------------------------------
 
     def submit(self, op: MsgType, fields: Fields, timeout_s: float | None = None) -> asyncio.Future[Completion]:
-        req_id, cmds = self.core.build(op, fields, timeout_s)
+        req_id, bodies = self.core.build(op, fields, timeout_s)
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         self._futures[req_id] = future
-        for index, cmd in enumerate(cmds):
+        for index, body in enumerate(bodies):
             try:
-                self.dealers[index].send_multipart(encode_command(cmd), flags=zmq.NOBLOCK)
+                self._sync[id(self.dealers[index])].send_multipart(encode_body(op, body), flags=zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 self._resolve(self.core.send_failed(index, req_id, str(exc)))
         return future
-
-    async def swap_out(
-        self, device_ids: Sequence[int], host_ids: Sequence[int], timeout_s: float | None = None
-    ) -> Completion:
-        return await self.submit(
-            MsgType.SWAP_OUT, {"device_ids": list(device_ids), "host_ids": list(host_ids)}, timeout_s
-        )
-
-    async def swap_in(
-        self, device_ids: Sequence[int], host_ids: Sequence[int], timeout_s: float | None = None
-    ) -> Completion:
-        return await self.submit(
-            MsgType.SWAP_IN, {"device_ids": list(device_ids), "host_ids": list(host_ids)}, timeout_s
-        )
-
-    async def clear_host(self, timeout_s: float | None = None) -> Completion:
-        return await self.submit(MsgType.CLEAR_HOST, {}, timeout_s)
 
     async def status(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
         return [
@@ -152,15 +127,7 @@ class AsyncEngineClient:
             self._resolve(self.core.expire())
 
     def _drain_socket(self, sock: zmq.asyncio.Socket, index: int | None) -> None:
-        while True:
-            try:
-                frames = self._sync[id(sock)].recv_multipart(flags=zmq.NOBLOCK)  # the pump owns reads
-            except zmq.Again:
-                return
-            try:
-                _, outcome = decode_outcome(frames)
-            except ProtocolError:
-                continue
+        for outcome in read_outcomes(self._sync[id(sock)]):  # the pump owns reads
             call = self._calls.get(outcome.req_id)
             if call is not None and index is not None and not call.done():
                 call.set_result(outcome)

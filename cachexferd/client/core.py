@@ -12,11 +12,9 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 from ..protocol import (
-    COMMANDS,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
     Command,
@@ -26,12 +24,12 @@ from ..protocol import (
     Outcome,
     Ping,
 )
+from .commands import Fields
 from .pending import Completion, PendingTable
 
 log = logging.getLogger(__name__)
 
 _MAX_CONTROL = 4096  # unanswered pings/hellos remembered
-Fields = dict[str, Any] | Callable[[int], dict[str, Any]]  # same for all ranks, or per rank
 
 
 class EngineCore:
@@ -51,7 +49,7 @@ class EngineCore:
     def hello(self) -> Hello:
         return Hello(
             req_id=self._control_id(), protocol=[PROTOCOL_MAJOR, PROTOCOL_MINOR],
-            client=self.name, role="engine", events=self.events, pid=os.getpid(),
+            client=self.name, role="engine", events=self.events, pid=os.getpid(), batch_events=True,
         )  # fmt: skip
 
     def _control_id(self) -> int:
@@ -69,16 +67,20 @@ class EngineCore:
         self.boot_ids = [o.boot_id for o in outcomes]
         self.pending = PendingTable(ranks)
 
-    def build(self, op: MsgType, fields: Fields, timeout_s: float | None) -> tuple[int, list[Command]]:
-        """One command per link for ``op``, registered as pending."""
+    def build(self, op: MsgType, fields: Fields, timeout_s: float | None) -> tuple[int, list[dict[str, Any]]]:
+        """The wire body of ``op`` for each link, registered as pending. Bodies are built
+        directly (no message object): this is the engine's per-command cost; the daemon
+        validates every field anyway."""
         req_id = self.next_req_id()
-        cls = COMMANDS[op]
-        cmds = []
+        bodies = []
         for index, rank in enumerate(self.rank_of):
-            body = fields(rank) if callable(fields) else fields
-            cmds.append(cls(req_id=req_id, boot_id=self.boot_ids[index], **body))
+            body = {**(fields(rank) if callable(fields) else fields), "req_id": req_id}
+            boot_id = self.boot_ids[index]
+            if boot_id is not None:
+                body["boot_id"] = boot_id
+            bodies.append(body)
         self.pending.add(req_id, op, self.timeout_s if timeout_s is None else timeout_s)
-        return req_id, cmds
+        return req_id, bodies
 
     def send_failed(self, index: int, req_id: int, detail: str) -> list[Completion]:
         out = Outcome(req_id, "", self.rank_of[index], int(ErrorCode.SEND_FAILED), detail, {}, 0)
@@ -98,6 +100,9 @@ class EngineCore:
             index = self.rank_of.index(outcome.rank)
         done: list[Completion] = []
         resend: list[tuple[int, Command]] = []
+        if outcome.code == ErrorCode.DUPLICATE_REQ_ID:  # about a refused copy, never the command itself
+            log.warning("rank %d refused a duplicate of req_id %d", outcome.rank, outcome.req_id)
+            return done, resend
         if outcome.req_id in self._control:
             self._control.discard(outcome.req_id)
             if outcome.op == MsgType.HELLO and outcome.ok:

@@ -2,7 +2,10 @@
 
 No thread is started. The scheduler calls ``poll()`` once per step (or when ``fileno()``
 turns readable): it drains every event and reply available, sends heartbeats, expires
-deadlines, and returns the commands that completed, each aggregated over all ranks::
+deadlines, and returns the commands that completed, each aggregated over all ranks.
+Commands go out as they are submitted; inside ``with client.batch():`` (or with
+``autoflush=False``) they are queued and sent as one BATCH envelope per rank at the end of
+the block (or at the next ``flush()`` / ``poll()``)::
 
     client = EngineClient(["ipc:///run/cachexferd/0/cmd.sock", "ipc:///run/cachexferd/1/cmd.sock"])
     client.connect()
@@ -19,15 +22,16 @@ import contextlib
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-from ..protocol import Command, ErrorCode, MsgType, Outcome, ProtocolError, Shutdown, Status, decode_outcome
-from .core import EngineCore, Fields
-from .link import ClientError, Link, check_ok
+from ..protocol import Command, ErrorCode, MsgType, Outcome, Shutdown, Status
+from .commands import CommandMethods, Fields
+from .core import EngineCore
+from .link import ClientError, Link, check_ok, read_outcomes
 from .pending import Completion
 
 
@@ -37,7 +41,7 @@ def default_events_endpoint() -> tuple[str, Path]:
     return f"ipc://{directory / 'events.sock'}", directory
 
 
-class EngineClient:
+class EngineClient(CommandMethods[int]):
     def __init__(
         self,
         endpoints: Sequence[str],
@@ -46,6 +50,7 @@ class EngineClient:
         name: str = "engine",
         timeout_s: float = 30.0,
         heartbeat_s: float = 1.0,
+        autoflush: bool = True,
     ) -> None:
         if not endpoints:
             raise ValueError("EngineClient needs at least one daemon endpoint")
@@ -60,6 +65,7 @@ class EngineClient:
         self.links = [Link(self.ctx, endpoint, i) for i, endpoint in enumerate(endpoints)]
         self.core = EngineCore(len(self.links), name, events, timeout_s, heartbeat_s)
         self._ready: list[Completion] = []  # finished while we were waiting for something else
+        self.autoflush = autoflush  # False: submit() queues until flush() / poll()
         self._poller = zmq.Poller()
         self._poller.register(self.pull, zmq.POLLIN)
         for link in self.links:
@@ -81,40 +87,37 @@ class EngineClient:
     def ranks(self) -> list[int]:
         return list(self.core.rank_of)
 
-    # Asynchronous commands ------------------------------------------------------------
+    # Asynchronous commands (the methods are in CommandMethods) ------------------------
 
     def submit(self, op: MsgType, fields: Fields, timeout_s: float | None = None) -> int:
-        """Sends ``op`` to every rank; returns its req_id. The outcome arrives via poll()."""
-        req_id, cmds = self.core.build(op, fields, timeout_s)
-        for link, cmd in zip(self.links, cmds):
+        """Sends ``op`` to every rank (or queues it, see ``batch``); returns its req_id.
+        The outcome arrives via poll()."""
+        req_id, bodies = self.core.build(op, fields, timeout_s)
+        for link, body in zip(self.links, bodies):
+            if not self.autoflush:
+                link.outbox.append((op, body))
+                continue
             try:
-                link.send(cmd)
+                link.send_body(op, body)
             except ClientError as exc:
                 self._ready += self.core.send_failed(link.index, req_id, exc.detail)
         return req_id
 
-    def swap_out(self, device_ids: Sequence[int], host_ids: Sequence[int], timeout_s: float | None = None) -> int:
-        return self.submit(MsgType.SWAP_OUT, {"device_ids": list(device_ids), "host_ids": list(host_ids)}, timeout_s)
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[EngineClient]:
+        """Commands submitted inside the block go out together, one BATCH per rank, at its end."""
+        previous, self.autoflush = self.autoflush, False
+        try:
+            yield self
+        finally:
+            self.autoflush = previous
+            self.flush()
 
-    def swap_in(self, device_ids: Sequence[int], host_ids: Sequence[int], timeout_s: float | None = None) -> int:
-        return self.submit(MsgType.SWAP_IN, {"device_ids": list(device_ids), "host_ids": list(host_ids)}, timeout_s)
-
-    def clear_host(self, timeout_s: float | None = None) -> int:
-        return self.submit(MsgType.CLEAR_HOST, {}, timeout_s)
-
-    def store(self, keys: Fields | Sequence[str], host_ids: Sequence[int], device_ids: Sequence[int] | None = None,
-              timeout_s: float | None = None) -> int:  # fmt: skip
-        return self.submit(MsgType.STORE, _storage_fields(keys, host_ids, device_ids), timeout_s)
-
-    def load(self, keys: Fields | Sequence[str], host_ids: Sequence[int], device_ids: Sequence[int] | None = None,
-             timeout_s: float | None = None) -> int:  # fmt: skip
-        return self.submit(MsgType.LOAD, _storage_fields(keys, host_ids, device_ids), timeout_s)
-
-    def lookup(self, keys: Fields | Sequence[str], timeout_s: float | None = None) -> int:
-        return self.submit(MsgType.LOOKUP, _keys_only(keys), timeout_s)
-
-    def delete(self, keys: Fields | Sequence[str], timeout_s: float | None = None) -> int:
-        return self.submit(MsgType.DELETE, _keys_only(keys), timeout_s)
+    def flush(self) -> None:
+        """Sends every queued command; a rank that cannot be reached fails them at once."""
+        for link in self.links:
+            for _, body in link.flush():
+                self._ready += self.core.send_failed(link.index, body["req_id"], f"send to {link.endpoint} failed")
 
     # Completion intake ----------------------------------------------------------------
 
@@ -123,7 +126,9 @@ class EngineClient:
         return int(self.pull.getsockopt(zmq.FD))
 
     def poll(self, timeout_ms: int = 0) -> list[Completion]:
-        """Drains everything available and returns finished commands; never blocks past timeout_ms."""
+        """Sends what is queued, drains everything available and returns finished commands;
+        never blocks past timeout_ms."""
+        self.flush()
         done = self._drain()
         if done or timeout_ms <= 0:
             return done
@@ -137,6 +142,7 @@ class EngineClient:
         """Blocks until every req_id completed (or ``timeout_s`` passes: ClientError)."""
         wanted = set(req_ids)
         got: dict[int, Completion] = {}
+        self.flush()
         deadline = time.monotonic() + timeout_s
         while wanted - got.keys():
             left = deadline - time.monotonic()
@@ -154,18 +160,10 @@ class EngineClient:
 
     def _drain(self) -> list[Completion]:
         done, self._ready = self._ready, []
-        while True:
-            try:
-                frames = self.pull.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            try:
-                _, outcome = decode_outcome(frames)
-            except ProtocolError:
-                continue
+        for outcome in read_outcomes(self.pull):
             done += self._file(outcome, None)
         for link in self.links:
-            while (reply := link.recv_nowait()) is not None:
+            for reply in read_outcomes(link.sock):
                 done += self._file(reply, link.index)
         for index, cmd in self.core.heartbeat():
             self._send_control(index, cmd)
@@ -221,17 +219,3 @@ class EngineClient:
 def check_ok_outcome(outcome: Outcome) -> Outcome:
     check_ok(outcome)
     return outcome
-
-
-def _keys_only(keys: Fields | Sequence[str]) -> Fields:
-    if callable(keys):
-        return keys
-    return {"keys": list(keys)}
-
-
-def _storage_fields(keys: Fields | Sequence[str], host_ids: Sequence[int], device_ids: Sequence[int] | None) -> Fields:
-    base = {"host_ids": list(host_ids), "device_ids": None if device_ids is None else list(device_ids)}
-    if callable(keys):
-        per_rank = keys
-        return lambda rank: {**per_rank(rank), **base}
-    return {"keys": list(keys), **base}

@@ -9,7 +9,19 @@ from typing import Any
 
 import zmq
 
-from ..protocol import Command, ErrorCode, MsgType, Outcome, ProtocolError, decode_outcome, encode_command
+from ..protocol import (
+    Command,
+    ErrorCode,
+    Limits,
+    MsgType,
+    Outcome,
+    ProtocolError,
+    decode_outcome,
+    decode_outcomes,
+    encode_batch,
+    encode_body,
+    encode_command,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +70,38 @@ class Link:
         self.boot_id: str | None = None
         self.rank: int | None = None
         self.info: dict[str, Any] = {}
+        self.outbox: list[tuple[MsgType, dict[str, Any]]] = []  # queued for one BATCH envelope
+
+    @property
+    def batches(self) -> bool:
+        """Whether the daemon said (in its hello reply) that it takes BATCH envelopes."""
+        return bool(self.info.get("batch"))
 
     def send(self, cmd: Command) -> None:
+        self._send(encode_command(cmd))
+
+    def send_body(self, op: MsgType, body: dict[str, Any]) -> None:
+        self._send(encode_body(op, body))
+
+    def flush(self) -> list[tuple[MsgType, dict[str, Any]]]:
+        """Sends the outbox: one BATCH per MAX_BATCH commands (plain messages to a daemon
+        that takes no batches). Returns what could not be sent."""
+        items, self.outbox = self.outbox, []
+        if self.batches and len(items) > 1:
+            step = Limits.MAX_BATCH
+            messages = [(start, encode_batch(items[start : start + step])) for start in range(0, len(items), step)]
+        else:
+            messages = [(i, encode_body(op, body)) for i, (op, body) in enumerate(items)]
+        for start, frames in messages:
+            try:
+                self._send(frames)
+            except ClientError:
+                return items[start:]
+        return []
+
+    def _send(self, frames: list[bytes]) -> None:
         try:
-            self.sock.send_multipart(encode_command(cmd), flags=zmq.NOBLOCK)
+            self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             raise ClientError(ErrorCode.SEND_FAILED, f"send to {self.endpoint} failed: {exc}") from None
 
@@ -76,6 +116,7 @@ class Link:
                 return decode_outcome(frames)[1]
             except ProtocolError as exc:
                 log.warning("undecodable reply from %s: %s", self.endpoint, exc)
+
 
     def call(self, cmd: Command, timeout_s: float, on_other: Callable[[Outcome], None] | None = None) -> Outcome:
         """Sends and waits for the reply to ``cmd``; other replies go to ``on_other``."""
@@ -110,3 +151,19 @@ def check_ok(outcome: Outcome) -> dict[str, Any]:
 
 def op_name(op: int) -> str:
     return MsgType(op).name.lower() if op in MsgType._value2member_map_ else str(op)
+
+
+def read_outcomes(sock: zmq.Socket[Any], limit: int = 1 << 16) -> list[Outcome]:
+    """Everything waiting on ``sock`` (REPLY, EVENT or EVENT_BATCH), without blocking;
+    undecodable messages are logged and skipped."""
+    out: list[Outcome] = []
+    for _ in range(limit):
+        try:
+            frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            break
+        try:
+            out += decode_outcomes(frames)
+        except ProtocolError as exc:
+            log.warning("undecodable message from a daemon: %s", exc)
+    return out

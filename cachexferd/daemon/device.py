@@ -12,14 +12,21 @@ import asyncio
 import errno
 import logging
 import os
+from collections.abc import Awaitable, Callable, Coroutine
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from ..backends.base import AttachError, DeviceCache
+from ..backends.base import AttachError, Backend, DeviceCache
+from ..host_cache import HostGeometry
 from ..protocol import ErrorCode, KVLayout, LayoutError, ProtocolError
 
 if TYPE_CHECKING:
-    from .server import Daemon
+    from ..config import DaemonConfig
+    from ..metrics import DaemonMetrics
+    from .host import HostCache
+    from .ordering import BlockOrdering
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], None]
 
 log = logging.getLogger(__name__)
 _PID_POLL_S = 1.0  # fallback when pidfd_open is unavailable (foreign pid namespace)
@@ -33,8 +40,17 @@ class DeviceState(StrEnum):
 
 
 class DeviceSlot:
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(
+        self,
+        backend: Backend,
+        host: HostCache,
+        ordering: BlockOrdering,
+        metrics: DaemonMetrics,
+        config: DaemonConfig,
+        spawn: Spawn,
+    ) -> None:
+        self.backend, self.host, self.ordering = backend, host, ordering
+        self.metrics, self.config, self._spawn = metrics, config, spawn
         self.state = DeviceState.DETACHED
         self.cache: DeviceCache | None = None
         self.runner_pid: int | None = None
@@ -47,7 +63,9 @@ class DeviceSlot:
             raise ProtocolError(ErrorCode.NOT_ATTACHED, f"no device cache attached (state {self.state.value})")
         return self.cache
 
-    async def attach(self, layout_wire: dict[str, Any], device: dict[str, Any], pid: int | None) -> dict[str, Any]:
+    def attach(self, layout_wire: dict[str, Any], device: dict[str, Any], pid: int | None) -> Awaitable[dict[str, Any]]:
+        """Checks the request now (state, layout, host fit) and returns the import to await.
+        A failed attach changes nothing: the host geometry is bound only on success."""
         if self.state is not DeviceState.DETACHED:
             code = ErrorCode.ALREADY_ATTACHED if self.state is DeviceState.ATTACHED else ErrorCode.BAD_STATE
             raise ProtocolError(code, f"device cache is {self.state.value}; detach first")
@@ -55,19 +73,26 @@ class DeviceSlot:
             layout = KVLayout.from_wire(layout_wire)
         except (LayoutError, TypeError) as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, str(exc)) from None
-        geometry = self.daemon.host.bind(layout)
+        geometry = self.host.plan(layout)
         self.state = DeviceState.ATTACHING
+        return self._import(layout, geometry, device, pid)
+
+    async def _import(
+        self, layout: KVLayout, geometry: HostGeometry, device: dict[str, Any], pid: int | None
+    ) -> dict[str, Any]:
         try:
             loop = asyncio.get_running_loop()
-            backend, pool = self.daemon.backend, self.daemon.host.pool
-            self.cache = await loop.run_in_executor(None, backend.import_device_cache, layout, device, pool, geometry)
+            import_cache, pool = self.backend.import_device_cache, self.host.pool
+            self.cache = await loop.run_in_executor(None, import_cache, layout, device, pool, geometry)
         except AttachError as exc:
             self.state = DeviceState.DETACHED
+            log.info("attach refused: %s", exc)
             raise ProtocolError(exc.code, str(exc)) from None
         except Exception as exc:
             self.state = DeviceState.DETACHED
             log.exception("attach failed")
             raise ProtocolError(ErrorCode.ATTACH_FAILED, f"{type(exc).__name__}: {exc}") from None
+        self.host.commit(layout, geometry)
         self.state = DeviceState.ATTACHED
         self._watch(pid)
         self._publish()
@@ -80,34 +105,45 @@ class DeviceSlot:
             "fingerprint": layout.fingerprint(),
         }
 
-    async def detach(self, reason: str, drain_timeout_s: float) -> dict[str, Any]:
+    def detach(self, reason: str, drain_timeout_s: float) -> Awaitable[dict[str, Any]]:
+        """Marks the cache detaching now (later commands see it) and returns the drain to
+        await; its result means every import is closed and the runner may free its memory."""
         if self.state is DeviceState.DETACHING and self._detach_done is not None:
-            return await asyncio.shield(self._detach_done)
+            return asyncio.shield(self._detach_done)
         if self.state is DeviceState.ATTACHING:
             raise ProtocolError(ErrorCode.BAD_STATE, "attach in progress; retry detach after its reply")
+        done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         if self.state is DeviceState.DETACHED:
-            return {"state": self.state.value, "drained": 0, "cancelled": 0}
+            done.set_result({"state": self.state.value, "drained": 0, "cancelled": 0})
+            return done
         self.state = DeviceState.DETACHING
-        self._detach_done = asyncio.get_running_loop().create_future()
+        self._detach_done = done
         log.info("detaching: %s", reason)
+        return self._detach(done, drain_timeout_s)
+
+    async def _detach(self, done: asyncio.Future[dict[str, Any]], drain_timeout_s: float) -> dict[str, Any]:
         try:
             result = await self._drain_and_close(drain_timeout_s)
+        except BaseException as exc:
+            done.set_exception(exc)
+            raise
         finally:
             self.state = DeviceState.DETACHED
+            self._detach_done = None
             self._publish()
-        self._detach_done.set_result(result)
-        self._detach_done = None
+        done.set_result(result)
         return result
 
     async def _drain_and_close(self, drain_timeout_s: float) -> dict[str, Any]:
-        entries = self.daemon.ordering.active(device_only=True)
+        entries = self.ordering.active(device_only=True)
         # Wait for outcomes, not for released blocks: a storage call stuck past its deadline
         # holds host blocks, never the device cache.
-        pending = {e.finished for e in entries}
+        finished = {e: e.when_finished() for e in entries}
+        pending = set(finished.values())
         if pending:
             _, pending = await asyncio.wait(pending, timeout=drain_timeout_s)
         for entry in entries:
-            if entry.finished in pending:
+            if finished[entry] in pending:
                 entry.cancel.cancel(ErrorCode.DETACHED, "device cache detached before this command finished")
         if pending:
             await asyncio.wait(pending)  # cancelled copies stop at their next checkpoint
@@ -121,14 +157,14 @@ class DeviceSlot:
         return {"state": DeviceState.DETACHED.value, "drained": len(entries) - cancelled, "cancelled": cancelled}
 
     def _publish(self) -> None:
-        m = self.daemon.metrics
+        m = self.metrics
         m.attached.set(1 if self.state is DeviceState.ATTACHED else 0)
         m.mappings.set(self.cache.mappings if self.cache is not None else 0)
 
     # Runner liveness: a runner that dies while attached must not keep its memory mapped.
     def _watch(self, pid: int | None) -> None:
         self.runner_pid = pid
-        if pid is None or not self.daemon.config.daemon.watch_runner_pid:
+        if pid is None or not self.config.watch_runner_pid:
             return
         loop = asyncio.get_running_loop()
         try:
@@ -166,11 +202,15 @@ class DeviceSlot:
         if self.state is not DeviceState.ATTACHED:
             return
         log.warning("attached runner pid %s exited; detaching", pid)
-        self.daemon.metrics.auto_detaches.inc()
-        self.daemon.spawn(self.detach(f"runner pid {pid} exited", self.daemon.config.daemon.drain_timeout_s))
+        self.metrics.auto_detaches.inc()
+        self._spawn(_awaited(self.detach(f"runner pid {pid} exited", self.config.drain_timeout_s)))
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"state": self.state.value, "runner_pid": self.runner_pid}
         if self.cache is not None:
             info.update(self.cache.describe())
         return info
+
+
+async def _awaited(awaitable: Awaitable[Any]) -> None:
+    await awaitable

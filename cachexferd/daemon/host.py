@@ -1,7 +1,7 @@
 """The daemon's view of its host cache: the pool plus the block geometry once it is known.
 
 The geometry (bytes per host block, hence the number of blocks) comes from
-``host_cache.block_bytes`` or from the first attach, and then stays for the daemon's life;
+``host_cache.block_bytes`` or from the first successful attach, and then stays for the daemon's life;
 a later attach must describe blocks of the same size and the same layout fingerprint, so
 host blocks written under one layout are never read back under another.
 """
@@ -24,7 +24,8 @@ class HostCache:
                 raise ValueError(f"host_cache.block_bytes {block_bytes} exceeds capacity {pool.capacity}")
             self.geometry = pool.geometry(block_bytes)
 
-    def bind(self, layout: KVLayout) -> HostGeometry:
+    def plan(self, layout: KVLayout) -> HostGeometry:
+        """The geometry ``layout`` would use, checked against what the cache holds; binds nothing."""
         need = layout.host_block_bytes
         if self.geometry is not None and self.geometry.block_bytes != need:
             raise ProtocolError(
@@ -41,9 +42,11 @@ class HostCache:
             raise ProtocolError(
                 ErrorCode.LAYOUT_MISMATCH, f"one host block of {need} bytes exceeds capacity {self.pool.capacity}"
             )
-        self.geometry = self.geometry or self.pool.geometry(need)
-        self.fingerprint = layout.fingerprint()
-        return self.geometry
+        return self.geometry or self.pool.geometry(need)
+
+    def commit(self, layout: KVLayout, geometry: HostGeometry) -> None:
+        """Binds the geometry and layout after a successful attach."""
+        self.geometry, self.fingerprint = geometry, layout.fingerprint()
 
     def require_geometry(self) -> HostGeometry:
         if self.geometry is None:

@@ -1,9 +1,15 @@
-"""Runs asynchronous commands: order them, execute them off the loop, emit one event each.
+"""Runs asynchronous commands: order them, execute them off the loop, emit one outcome each.
 
-A Job is what a handler returns after validating a command: the blocks it touches and a
-coroutine function that does the work. ``Jobs.start`` registers the job with the block
-ordering *synchronously* (so arrival order is the order), then a task waits for the jobs
-it conflicts with, runs the work, and always emits exactly one outcome, whatever happens.
+A Job is what a handler returns after validating a command: the blocks it touches and
+either a copy (a swap) or a coroutine function (storage I/O, clear-host). ``Jobs.submit``
+registers it with the block ordering synchronously, so arrival order is the order. A job
+with no unfinished dependency is ready at once; the others become ready when the ordering
+releases what they wait for. Nothing waits in a task of its own.
+
+Ready jobs are started once per loop iteration: every ready copy of one direction goes to
+the copy backend as one batch (one hand-off to the copy workers for the lot, not one per
+command), every other job runs as a task. Each job ends in ``_complete``, which decides its
+outcome exactly once, releases its blocks and starts whatever that made ready.
 """
 
 from __future__ import annotations
@@ -11,21 +17,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..backends.base import CancelToken
+from ..backends.base import CancelToken, DeviceCache, Direction, SwapRequest
 from ..protocol import Command, ErrorCode, ProtocolError
-from .ordering import Access, Entry
+from .ordering import Access, BlockOrdering, Entry
 
 if TYPE_CHECKING:
-    from .server import Daemon
-    from .sessions import Session
+    from ..metrics import DaemonMetrics
 
 log = logging.getLogger(__name__)
 
 Work = Callable[[CancelToken], Awaitable[dict[str, Any]]]
+# (identity, command, code, detail, result, received): sends the one outcome.
+Complete = Callable[[bytes, Command, int, str, dict[str, Any], float], None]
+MAX_COPY_BATCH = 256  # commands per hand-off: bounds how long the first of a burst waits for the last
 
 
 class HoldBlocks(ProtocolError):
@@ -40,82 +48,178 @@ class HoldBlocks(ProtocolError):
 
 
 @dataclass(frozen=True)
+class Copy:
+    """A swap: block pairs between the attached device cache and the host cache."""
+
+    cache: DeviceCache
+    direction: Direction
+    device_ids: Sequence[int]
+    host_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
 class Job:
     access: Access
-    work: Work
+    work: Work | None = None  # storage I/O, clear-host: a coroutine run as a task
+    copy: Copy | None = None  # swaps: batched with the other ready copies
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """What an ordering entry carries: who asked, what, and when it arrived."""
+
+    identity: bytes
+    cmd: Command
+    job: Job
+    received: float
 
 
 class Jobs:
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-        self.tasks: set[asyncio.Task[None]] = set()
+    def __init__(self, ordering: BlockOrdering, metrics: DaemonMetrics, complete: Complete) -> None:
+        self.ordering = ordering
+        self.metrics = metrics
+        self._complete_cb = complete
+        self._ready: list[Entry] = []
+        self._scheduled = False
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._held: set[asyncio.Task[None]] = set()  # not awaited at shutdown: may never end
 
-    def start(self, session: Session, cmd: Command, job: Job, received: float) -> None:
-        entry, waits = self.daemon.ordering.register(job.access)
-        session.inflight.add(cmd.req_id)
-        task = asyncio.get_running_loop().create_task(self._run(session, cmd, job, entry, waits, received))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+    def submit(self, identity: bytes, cmd: Command, job: Job, received: float) -> None:
+        entry = self.ordering.register(job.access, Ticket(identity, cmd, job, received))
+        if entry.ready:
+            self._make_ready([entry])
+        else:
+            self._publish()
+
+    def _make_ready(self, entries: list[Entry]) -> None:
+        self._ready.extend(entries)
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._start_ready)
+
+    def _start_ready(self) -> None:
+        self._scheduled = False
+        ready, self._ready = self._ready, []
+        batches: dict[tuple[int, Direction], list[Entry]] = {}
+        for entry in ready:
+            job = entry.payload.job
+            if entry.cancel.cancelled:  # cancelled while it waited: it never starts
+                self._complete(entry, entry.cancel.code, entry.cancel.detail, {})
+                continue
+            self.ordering.start(entry)
+            if job.copy is None:
+                self._spawn(self._run_work(entry))
+                continue
+            batch = batches.setdefault((id(job.copy.cache), job.copy.direction), [])
+            batch.append(entry)
+            if len(batch) == MAX_COPY_BATCH:
+                self._spawn(self._run_copies(batches.pop((id(job.copy.cache), job.copy.direction))))
+        for batch in batches.values():
+            self._spawn(self._run_copies(batch))
         self._publish()
 
-    async def _run(
-        self, session: Session, cmd: Command, job: Job, entry: Entry, waits: list[asyncio.Future[None]], received: float
-    ) -> None:
-        code, detail, result = ErrorCode.OK, "", {}
-        hold: Awaitable[Any] | None = None
+    async def _run_copies(self, entries: list[Entry]) -> None:
+        copies: list[Copy] = [e.payload.job.copy for e in entries]
+        first = copies[0]
+        requests = [SwapRequest(c.device_ids, c.host_ids, e.cancel) for c, e in zip(copies, entries)]
+        started = time.monotonic()
         try:
-            if waits:
-                await asyncio.wait(waits)
-            entry.cancel.check()
-            entry.started = True
-            self._publish()
+            errors = await first.cache.swap_many(first.direction, requests)
+        except Exception as exc:  # a bug in the backend: every command of the batch fails
+            errors = [exc] * len(entries)
+        finished = time.monotonic()
+        block_bytes = first.cache.layout.host_block_bytes
+        moved = 0
+        for entry, copy, error in zip(entries, copies, errors):
+            if error is None:
+                nbytes = len(copy.device_ids) * block_bytes
+                moved += nbytes
+                result = {
+                    "blocks": len(copy.device_ids),
+                    "bytes": nbytes,
+                    "started_at": started,
+                    "finished_at": finished,
+                }
+                self._complete(entry, ErrorCode.OK, "", result)
+            else:
+                code, detail = self._describe(entry, error)
+                self._complete(entry, code, detail, {})
+        self.metrics.transfer_bytes.labels(first.direction.value).inc(moved)
+        self._publish()
+
+    async def _run_work(self, entry: Entry) -> None:
+        work = entry.payload.job.work
+        assert work is not None
+        hold: Awaitable[Any] | None = None
+        code, detail, result = ErrorCode.OK, "", {}
+        try:
             started = time.monotonic()
-            result = await job.work(entry.cancel)
+            result = await work(entry.cancel)
             # Daemon-clock timestamps: how long the command waited for earlier ones, and
             # whether two commands overlapped.
             result["started_at"], result["finished_at"] = started, time.monotonic()
         except HoldBlocks as exc:
             code, detail, hold = exc.code, exc.detail, exc.running
-        except ProtocolError as exc:
-            code, detail = exc.code, exc.detail
-        except Exception as exc:  # a bug must still produce an outcome
-            log.exception("%s req_id=%d failed", cmd.TYPE.name, cmd.req_id)
-            code, detail = ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
-        finally:
-            self.daemon.ordering.finish(entry, code)
-            if hold is None:
-                self.daemon.ordering.release(entry)
-            else:
-                self._release_later(entry, hold)
-            session.inflight.discard(cmd.req_id)
-            self._publish()
-        self.daemon.finish(session.identity, cmd.TYPE, cmd.req_id, code, detail, result, received)
+        except Exception as exc:
+            code, detail = self._describe(entry, exc)
+        self._complete(entry, code, detail, result, hold)
+        self._publish()
+
+    def _describe(self, entry: Entry, error: BaseException) -> tuple[ErrorCode, str]:
+        if isinstance(error, ProtocolError):
+            return error.code, error.detail
+        cmd = entry.payload.cmd
+        log.error("%s req_id=%d failed", cmd.TYPE.name, cmd.req_id, exc_info=error)
+        return ErrorCode.INTERNAL, f"{type(error).__name__}: {error}"  # a bug must still produce an outcome
+
+    def _complete(
+        self, entry: Entry, code: int, detail: str, result: dict[str, Any], hold: Awaitable[Any] | None = None
+    ) -> None:
+        self.ordering.finish(entry, code)
+        if hold is None:
+            ready = self.ordering.release(entry)
+            if ready:
+                self._make_ready(ready)
+        else:
+            self._release_later(entry, hold)
+        ticket: Ticket = entry.payload
+        self._complete_cb(ticket.identity, ticket.cmd, code, detail, result, ticket.received)
 
     def _release_later(self, entry: Entry, running: Awaitable[Any]) -> None:
         async def release() -> None:
             try:
                 await running
             finally:
-                self.daemon.ordering.release(entry)
+                ready = self.ordering.release(entry)
+                if ready:
+                    self._make_ready(ready)
                 self._publish()
 
         task = asyncio.get_running_loop().create_task(release())
         self._held.add(task)
         task.add_done_callback(self._held.discard)
 
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def cancel_all(self, code: ErrorCode, detail: str) -> None:
-        for entry in self.daemon.ordering.active():
+        for entry in self.ordering.active():
             entry.cancel.cancel(code, detail)
 
     async def wait_all(self, timeout: float | None) -> bool:
-        """True when every job finished within ``timeout``."""
-        if not self.tasks:
+        """True when every accepted job has its outcome within ``timeout``."""
+        pending = {e.when_finished() for e in self.ordering.active()}
+        if not pending:
             return True
-        _, pending = await asyncio.wait(set(self.tasks), timeout=timeout)
+        _, pending = await asyncio.wait(pending, timeout=timeout)
         return not pending
 
+    @property
+    def unfinished(self) -> int:
+        return sum(self.ordering.counts())
+
     def _publish(self) -> None:
-        queued, running = self.daemon.ordering.counts()
-        self.daemon.metrics.queued.set(queued)
-        self.daemon.metrics.running.set(running)
+        self.metrics.queued.set(self.ordering.waiting)
+        self.metrics.running.set(self.ordering.running)

@@ -1,18 +1,28 @@
-"""Submission-order guarantees for commands that touch the same blocks.
+"""Submission-order guarantees for commands that touch the same blocks, at O(ids touched).
 
-Every asynchronous command declares which device and host blocks (and which storage keys)
-it reads and writes.
-A new command waits for every earlier, still-unfinished command it conflicts with:
-read-after-write, write-after-read and write-after-write on any block. Commands with no
-conflict start at once, so independent work overlaps. Registration happens on the event
-loop in the order commands arrive, which is what makes the order the submission order.
+Every asynchronous command declares which device blocks, host blocks and storage keys it
+reads and writes (an ``Access``). A scoreboard per id space remembers, for each id, the last
+unfinished writer and the unfinished readers since that writer. A new command depends only
+on those: read-after-write on the writer, write-after-read on the readers, write-after-write
+on the writer. Registration and release touch exactly the ids of the command, whatever the
+number of commands in flight; independent commands have no dependency and start at once.
+
+Registration happens on the event loop in the order commands arrive, which is what makes
+the order the submission order. Nothing here awaits: an entry counts its unfinished
+dependencies, and ``release`` returns the entries whose count reached zero, in registration
+order, for the caller to start.
+
+CLEAR_HOST writes every host block: it depends on every unreleased host access, and every
+later host access depends on it (a host barrier), without any per-block scan.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
 
 from ..backends.base import CancelToken
 
@@ -31,10 +41,15 @@ class Access:
     def touches_device(self) -> bool:
         return bool(self.device_read or self.device_write)
 
+    @property
+    def touches_host(self) -> bool:
+        return bool(self.host_read or self.host_write or self.all_host_write)
+
     def conflicts_with(self, earlier: Access) -> bool:
-        if self.all_host_write and (earlier.host_read or earlier.host_write or earlier.all_host_write):
+        """The rule the scoreboard implements, stated pairwise (for tests and docs)."""
+        if self.all_host_write and earlier.touches_host:
             return True
-        if earlier.all_host_write and (self.host_read or self.host_write):
+        if earlier.all_host_write and self.touches_host:
             return True
         return (
             _overlap(self.device_write, earlier.device_read, earlier.device_write)
@@ -57,47 +72,179 @@ def swap_access(device_ids: Iterable[int], host_ids: Iterable[int], to_host: boo
     return Access(host_read=host, device_write=device)
 
 
-@dataclass(eq=False)
-class Entry:
-    """One registered command. ``finished`` resolves when its outcome is decided; ``done``
-    when its blocks are free for later commands (later only for work that overran, see
-    jobs.HoldBlocks)."""
+class Phase(IntEnum):
+    WAITING = 0  # registered; some dependency unreleased, or not yet started
+    RUNNING = 1
+    FINISHED = 2  # outcome decided; blocks may still be held (see jobs.HoldBlocks)
+    RELEASED = 3
 
-    access: Access
-    done: asyncio.Future[None]
-    finished: asyncio.Future[None]
-    cancel: CancelToken = field(default_factory=CancelToken)
-    started: bool = False
-    code: int = 0  # the outcome's code, set just before release
+
+class Entry:
+    """One registered command. ``payload`` is the caller's (what to run when ready)."""
+
+    __slots__ = ("_waiters", "access", "cancel", "code", "dependents", "payload", "phase", "unmet")
+
+    def __init__(self, access: Access, payload: Any) -> None:
+        self.access = access
+        self.payload = payload
+        self.cancel = CancelToken()
+        self.phase = Phase.WAITING
+        self.unmet = 0  # unreleased entries this one waits for
+        self.dependents: list[Entry] = []
+        self.code = 0  # the outcome's code, set by finish()
+        self._waiters: list[asyncio.Future[None]] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.unmet == 0
+
+    def when_finished(self) -> asyncio.Future[None]:
+        """A future resolved when the outcome is decided (created only when asked for)."""
+        future = asyncio.get_running_loop().create_future()
+        if self.phase >= Phase.FINISHED:
+            future.set_result(None)
+        else:
+            self._waiters = self._waiters or []
+            self._waiters.append(future)
+        return future
+
+    def _resolve_waiters(self) -> None:
+        for future in self._waiters or ():
+            if not future.done():
+                future.set_result(None)
+        self._waiters = None
+
+
+class _Board:
+    """One id space: the last unreleased writer of each id and the readers since it."""
+
+    __slots__ = ("readers", "writer")
+
+    def __init__(self) -> None:
+        self.writer: dict[Hashable, Entry] = {}
+        self.readers: dict[Hashable, set[Entry]] = {}
+
+    def claim(self, entry: Entry, reads: frozenset[Any], writes: frozenset[Any], deps: set[Entry]) -> int:
+        """Records the entry's accesses, adds what it must wait for; returns ids examined."""
+        for i in reads:
+            if i in writes:
+                continue  # a write covers it
+            writer = self.writer.get(i)
+            if writer is not None:
+                deps.add(writer)
+            readers = self.readers.get(i)
+            if readers is None:
+                self.readers[i] = {entry}
+            else:
+                readers.add(entry)
+        for i in writes:
+            writer = self.writer.get(i)
+            if writer is not None:
+                deps.add(writer)
+            readers = self.readers.pop(i, None)
+            if readers:
+                deps.update(readers)
+            self.writer[i] = entry
+        return len(reads) + len(writes)
+
+    def drop(self, entry: Entry, reads: frozenset[Any], writes: frozenset[Any]) -> None:
+        for i in writes:
+            if self.writer.get(i) is entry:
+                del self.writer[i]
+        for i in reads:
+            readers = self.readers.get(i)
+            if readers is not None:
+                readers.discard(entry)
+                if not readers:
+                    del self.readers[i]
 
 
 class BlockOrdering:
     def __init__(self) -> None:
-        self._active: list[Entry] = []  # in registration order
+        self._device, self._host, self._keys = _Board(), _Board(), _Board()
+        self._entries: dict[Entry, None] = {}  # unreleased, in registration order
+        self._device_entries: dict[Entry, None] = {}
+        self._host_entries: dict[Entry, None] = {}
+        self._host_barrier: Entry | None = None  # the last unreleased CLEAR_HOST
+        self.waiting = 0  # registered, not started
+        self.running = 0  # started, outcome not decided
+        self.examined = 0  # ids and dependencies looked at, ever (a work count for tests)
 
-    def register(self, access: Access) -> tuple[Entry, list[asyncio.Future[None]]]:
-        """Adds a command; returns it and the futures it must wait for (in order)."""
-        waits = [e.done for e in self._active if access.conflicts_with(e.access)]
-        loop = asyncio.get_running_loop()
-        entry = Entry(access, loop.create_future(), loop.create_future())
-        self._active.append(entry)
-        return entry, waits
+    def register(self, access: Access, payload: Any = None) -> Entry:
+        """Adds a command; ``entry.ready`` tells whether it may start now."""
+        entry = Entry(access, payload)
+        deps: set[Entry] = set()
+        self.examined += self._device.claim(entry, access.device_read, access.device_write, deps)
+        self.examined += self._host.claim(entry, access.host_read, access.host_write, deps)
+        self.examined += self._keys.claim(entry, access.keys_read, access.keys_write, deps)
+        if access.touches_host:
+            self._claim_all_host(entry, deps)
+            self._host_entries[entry] = None
+        if access.touches_device:
+            self._device_entries[entry] = None
+        for dep in deps:
+            dep.dependents.append(entry)
+        entry.unmet = len(deps)
+        self.examined += len(deps)
+        self._entries[entry] = None
+        self.waiting += 1
+        return entry
 
-    @staticmethod
-    def finish(entry: Entry, code: int) -> None:
-        entry.code = code
-        if not entry.finished.done():
-            entry.finished.set_result(None)
+    def _claim_all_host(self, entry: Entry, deps: set[Entry]) -> None:
+        barrier = self._host_barrier
+        if barrier is not None:
+            deps.add(barrier)
+        if entry.access.all_host_write:
+            deps.update(self._host_entries)  # only CLEAR_HOST pays for the host work in flight
+            self._host_barrier = entry
 
-    def release(self, entry: Entry) -> None:
-        self._active.remove(entry)
-        if not entry.done.done():
-            entry.done.set_result(None)
+    def start(self, entry: Entry) -> None:
+        if entry.phase is Phase.WAITING:
+            entry.phase = Phase.RUNNING
+            self.waiting -= 1
+            self.running += 1
+
+    def finish(self, entry: Entry, code: int) -> None:
+        """The outcome is decided; the blocks stay claimed until ``release``."""
+        if entry.phase >= Phase.FINISHED:
+            return
+        if entry.phase is Phase.RUNNING:
+            self.running -= 1
+        else:
+            self.waiting -= 1
+        entry.phase, entry.code = Phase.FINISHED, code
+        entry._resolve_waiters()
+
+    def release(self, entry: Entry) -> list[Entry]:
+        """Frees the entry's blocks; returns dependents that became ready, in order."""
+        if entry.phase is Phase.RELEASED:
+            return []
+        self.finish(entry, entry.code)
+        entry.phase = Phase.RELEASED
+        access = entry.access
+        self._device.drop(entry, access.device_read, access.device_write)
+        self._host.drop(entry, access.host_read, access.host_write)
+        self._keys.drop(entry, access.keys_read, access.keys_write)
+        if self._host_barrier is entry:
+            self._host_barrier = None
+        self._entries.pop(entry, None)
+        self._device_entries.pop(entry, None)
+        self._host_entries.pop(entry, None)
+        ready = []
+        for dependent in entry.dependents:
+            dependent.unmet -= 1
+            if dependent.unmet == 0:
+                ready.append(dependent)
+        entry.dependents = []
+        return ready
 
     def active(self, device_only: bool = False) -> list[Entry]:
-        return [e for e in self._active if e.access.touches_device or not device_only]
+        """Unreleased entries in registration order (all, or those touching the device)."""
+        return list(self._device_entries if device_only else self._entries)
 
     def counts(self) -> tuple[int, int]:
-        """(waiting for dependencies, running)."""
-        running = sum(1 for e in self._active if e.started)
-        return len(self._active) - running, running
+        """(waiting to start, running)."""
+        return self.waiting, self.running
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,7 +1,12 @@
-"""The daemon: sockets, the receive loop, outcome routing and the lifecycle.
+"""The daemon: sockets, the receive loop, and the lifecycle.
 
-The loop stays small: receive a frame set, decode it, hand it to a handler from the
-dispatch table, route the outcome. Copies and storage I/O never run on the loop.
+The loop stays small: the command socket is read in bounded batches whenever it turns
+readable (a reader callback, no task or future per message); each message goes to the
+Dispatcher (decode, admit, dispatch table); outcomes leave through Outcomes. Copies and
+storage I/O never run on the loop. Between two batches the loop runs everything else
+(signals, finished copies, replies), so a backlog of thousands of queued commands never
+delays a PING, a signal or a state change by more than one batch.
+
 Lifecycle: starting -> running -> draining -> stopped. Signals only request the change;
 a second SIGINT while draining forces an exit.
 """
@@ -17,57 +22,46 @@ import signal
 import time
 import uuid
 from collections.abc import Coroutine
+from enum import StrEnum
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any
 
 import zmq
-import zmq.asyncio
 
 from .. import __version__
 from ..backends import load_backend
 from ..backends.base import Backend
 from ..config import Config
 from ..metrics import DaemonMetrics
-from ..protocol import (
-    ASYNC_TYPES,
-    PROTOCOL_MAJOR,
-    PROTOCOL_MINOR,
-    Command,
-    ErrorCode,
-    Limits,
-    MsgType,
-    Outcome,
-    ProtocolError,
-    decode_command,
-    encode_outcome,
-)
-from ..storage.tier import open_storage
+from ..protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR, Command, ErrorCode, Limits, ProtocolError
 from .device import DeviceSlot
+from .dispatch import Dispatcher
 from .handlers import Handlers
 from .host import HostCache
 from .jobs import Jobs
 from .notify import sd_notify
 from .ordering import BlockOrdering
+from .outcomes import Outcomes
 from .sessions import EventSinks, Sessions
+from .storage_tier import open_storage
 
 log = logging.getLogger(__name__)
 
-_ALWAYS_ALLOWED = frozenset({MsgType.PING, MsgType.STATUS, MsgType.HELLO})  # also while draining
 _ROUTER_HWM = 100_000
+_RECEIVE_BATCH = 256  # messages read per wake-up before the loop runs everything else
 _QUIESCE_QUIET_S = 0.1  # shutdown: stop reading after the socket is this quiet...
 _QUIESCE_MAX_S = 2.0  # ...or after this long at most
 
 
+class DaemonState(StrEnum):
+    STARTING = "starting"
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
 class DaemonError(RuntimeError):
     """The daemon cannot start (bad runtime dir, endpoint in use, ...)."""
-
-
-def _op_name(op: int) -> str:
-    return MsgType(op).name.lower() if op in MsgType._value2member_map_ else "unknown"
-
-
-def _code_name(code: int) -> str:
-    return "ok" if code == 0 else ErrorCode(code).name.lower()
 
 
 class Daemon:
@@ -76,7 +70,8 @@ class Daemon:
         self.rank = config.daemon.rank
         self.boot_id = uuid.uuid4().hex
         self.started_at = time.time()
-        self.state = "starting"
+        self.state = DaemonState.STARTING
+        self.started = asyncio.Event()  # set once the sockets are bound and commands are served
         self.backend = backend or load_backend(config.daemon.backend, config)
         self.metrics = DaemonMetrics(self.rank, self.backend.name)
         self.host = HostCache(self.backend.create_host_pool(config.host_cache.capacity), config.host_cache.block_bytes)
@@ -85,24 +80,29 @@ class Daemon:
         except ValueError as exc:
             raise DaemonError(str(exc)) from None
         self.ordering = BlockOrdering()
-        self.device = DeviceSlot(self)
-        self.jobs = Jobs(self)
-        self.handlers = Handlers(self)
-        self.ctx = zmq.asyncio.Context()
-        self.sinks = EventSinks(zmq.Context.shadow(self.ctx.underlying))
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.sinks = EventSinks(self.ctx)
         self.sessions = Sessions(self.sinks)
-        self.router: zmq.asyncio.Socket | None = None
-        self._stop: asyncio.Event | None = None
+        self.outcomes = Outcomes(self.boot_id, self.rank, self.metrics, self.sessions, self.sinks, self._reply)
+        self.device = DeviceSlot(self.backend, self.host, self.ordering, self.metrics, config.daemon, self.spawn)
+        handlers = Handlers(
+            config, self.device, self.host, self.storage, self.sessions, self.metrics, self.status, self.request_stop
+        )
+        self.jobs = Jobs(self.ordering, self.metrics, self._job_done)
+        self.dispatcher = Dispatcher(
+            handlers, self.jobs, self.outcomes, self.sessions, config.daemon.max_inflight, self._admit, self.spawn
+        )
+        self.router: zmq.Socket[Any] | None = None
+        self._stop_requested = asyncio.Event()
         self._lock_file: IO[str] | None = None
-        self._receiver: asyncio.Task[None] | None = None
         self._spawned: set[asyncio.Task[Any]] = set()
+        self._reading = False  # a read of the command socket is scheduled
         self._last_receive = time.monotonic()
         self._publish_host()
 
     # Lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._stop = asyncio.Event()
         self._prepare_runtime_dir()
         self.router = self._bind_router()
         if self.storage is not None:
@@ -110,8 +110,11 @@ class Daemon:
         if self.config.metrics.enabled:
             port = self.metrics.serve(self.config.metrics.host, self.config.metrics_port)
             log.info("metrics on http://%s:%d/metrics", self.config.metrics.host, port)
-        self._receiver = asyncio.get_running_loop().create_task(self._receive())
-        self.state = "running"
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.router.fileno(), self._schedule_read)
+        self._schedule_read()  # messages may have queued before the reader was added
+        self.state = DaemonState.RUNNING
+        self.started.set()
         log.info(
             "rank %d serving on %s (boot %s, backend %s, protocol %d.%d)",
             self.rank, self.config.endpoint, self.boot_id, self.backend.name, PROTOCOL_MAJOR, PROTOCOL_MINOR,
@@ -121,17 +124,18 @@ class Daemon:
     async def run(self) -> None:
         """start(), then serve until a stop is requested, then shut down cleanly."""
         await self.start()
-        assert self._stop is not None
-        await self._stop.wait()
+        await self.wait_stop_requested()
         await self.shutdown()
 
+    async def wait_stop_requested(self) -> None:
+        await self._stop_requested.wait()
+
     def request_stop(self, reason: str) -> None:
-        if self.state in ("draining", "stopped"):
+        if self.state in (DaemonState.DRAINING, DaemonState.STOPPED):
             return
         log.info("stop requested (%s): draining", reason)
-        self.state = "draining"
-        if self._stop is not None:
-            self._stop.set()
+        self.state = DaemonState.DRAINING
+        self._stop_requested.set()
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -139,7 +143,7 @@ class Daemon:
         loop.add_signal_handler(signal.SIGINT, self._on_sigint)
 
     def _on_sigint(self) -> None:
-        if self.state == "draining":
+        if self.state is DaemonState.DRAINING:
             log.warning("second SIGINT: exiting without draining")
             self._remove_ipc_file()
             os._exit(130)
@@ -149,7 +153,7 @@ class Daemon:
         sd_notify("STOPPING=1")
         drain = self.config.daemon.drain_timeout_s
         if not await self.jobs.wait_all(drain):
-            log.warning("drain timeout (%.1fs): failing %d commands", drain, len(self.jobs.tasks))
+            log.warning("drain timeout (%.1fs): failing %d commands", drain, self.jobs.unfinished)
             self.jobs.cancel_all(ErrorCode.SHUTTING_DOWN, "daemon shut down before this command finished")
             await self.jobs.wait_all(None)
         await self._quiesce()
@@ -164,7 +168,7 @@ class Daemon:
         self._remove_ipc_file()
         if self._lock_file is not None:
             self._lock_file.close()
-        self.state = "stopped"
+        self.state = DaemonState.STOPPED
         log.info("stopped")
 
     async def _quiesce(self) -> None:
@@ -173,13 +177,13 @@ class Daemon:
         deadline = time.monotonic() + _QUIESCE_MAX_S
         while time.monotonic() < deadline and time.monotonic() - self._last_receive < _QUIESCE_QUIET_S:
             await asyncio.sleep(_QUIESCE_QUIET_S / 4)
-        await asyncio.sleep(0)  # let the receiver finish the batch it holds
+        self._read_batch()  # whatever is still queued gets its outcome
+        self.outcomes.flush()
 
     async def _close_sockets(self) -> None:
-        if self._receiver is not None:
-            self._receiver.cancel()
-            await asyncio.gather(self._receiver, return_exceptions=True)
         if self.router is not None:
+            if not self.router.closed:
+                asyncio.get_running_loop().remove_reader(self.router.fileno())
             self.router.close(linger=100)
         self.sinks.close()
         # term() waits for the lingering event sockets to flush: keep it off the loop.
@@ -202,8 +206,8 @@ class Daemon:
         self._lock_file.flush()
         self._remove_ipc_file()  # stale socket of a daemon that died: we hold the lock now
 
-    def _bind_router(self) -> zmq.asyncio.Socket:
-        router = self.ctx.socket(zmq.ROUTER)
+    def _bind_router(self) -> zmq.Socket[Any]:
+        router: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.MAXMSGSIZE, Limits.MAX_SOCKET_MSG_BYTES)
         router.setsockopt(zmq.RCVHWM, _ROUTER_HWM)
@@ -230,96 +234,60 @@ class Daemon:
         self._spawned.add(task)
         task.add_done_callback(self._spawned.discard)
 
-    # Receiving and dispatching --------------------------------------------------------
+    # Receiving --------------------------------------------------------------------------
 
-    async def _receive(self) -> None:
-        assert self.router is not None
-        while True:
-            frames = await self.router.recv_multipart()
-            self._last_receive = time.monotonic()
+    def _schedule_read(self) -> None:
+        if not self._reading:
+            self._reading = True
+            asyncio.get_running_loop().call_soon(self._read_batch)
+
+    def _read_batch(self) -> None:
+        """Reads at most _RECEIVE_BATCH messages, then lets the loop run everything else.
+
+        ZeroMQ's descriptor is edge-triggered: after reading (or sending) on the socket,
+        zmq.EVENTS says whether more is queued; if so, another read is scheduled."""
+        self._reading = False
+        router = self.router
+        if router is None or router.closed:
+            return
+        for _ in range(_RECEIVE_BATCH):
             try:
-                self._on_message(frames[0], frames[1:], self._last_receive)
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._last_receive = now = time.monotonic()
+            try:
+                self.dispatcher.on_frames(frames[0], frames[1:], now)
             except Exception:  # never let one message stop the daemon
                 log.exception("unhandled error dispatching a message")
+        self._check_readable()
 
-    def _on_message(self, identity: bytes, frames: list[bytes], received: float) -> None:
-        try:
-            cmd = decode_command(frames)
-        except ProtocolError as exc:
-            self.finish(identity, exc.msg_type, exc.req_id, exc.code, exc.detail, {}, received)
-            return
-        try:
-            self._admit(cmd)
-            if cmd.TYPE in self.handlers.sync:
-                self.spawn(self._run_sync(identity, cmd, received))
-            else:
-                self._start_job(identity, cmd, received)
-        except ProtocolError as exc:
-            self.finish(identity, cmd.TYPE, cmd.req_id, exc.code, exc.detail, {}, received)
+    def _check_readable(self) -> None:
+        router = self.router
+        if router is not None and not router.closed and int(router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            self._schedule_read()
 
     def _admit(self, cmd: Command) -> None:
+        """Daemon-level admission of every command but HELLO, PING and STATUS."""
         if cmd.boot_id is not None and cmd.boot_id != self.boot_id:
             raise ProtocolError(ErrorCode.STALE_BOOT, f"addressed to boot {cmd.boot_id}, this daemon is {self.boot_id}")
-        if self.state != "running" and cmd.TYPE not in _ALWAYS_ALLOWED:
-            raise ProtocolError(ErrorCode.SHUTTING_DOWN, f"daemon is {self.state}")
+        if self.state is not DaemonState.RUNNING:
+            raise ProtocolError(ErrorCode.SHUTTING_DOWN, f"daemon is {self.state.value}")
 
-    async def _run_sync(self, identity: bytes, cmd: Command, received: float) -> None:
-        code, detail, result = ErrorCode.OK, "", {}
-        try:
-            result = await self.handlers.sync[cmd.TYPE](identity, cmd)
-        except ProtocolError as exc:
-            code, detail = exc.code, exc.detail
-        except Exception as exc:
-            log.exception("%s failed", cmd.TYPE.name)
-            code, detail = ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
-        self.finish(identity, cmd.TYPE, cmd.req_id, code, detail, result, received)
-
-    def _start_job(self, identity: bytes, cmd: Command, received: float) -> None:
-        session = self.sessions.get(identity)
-        if session is None or session.events is None:
-            raise ProtocolError(
-                ErrorCode.NO_EVENT_CHANNEL, "asynchronous commands need a hello that names an events endpoint"
-            )
-        if cmd.req_id in session.inflight:
-            raise ProtocolError(ErrorCode.DUPLICATE_REQ_ID, f"req_id {cmd.req_id} is already in flight")
-        if sum(self.ordering.counts()) >= self.config.daemon.max_inflight:
-            raise ProtocolError(ErrorCode.BUSY, f"{self.config.daemon.max_inflight} commands in flight; retry later")
-        handler = self.handlers.jobs.get(cmd.TYPE)
-        if handler is None:
-            raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"{cmd.TYPE.name} is not served by this daemon")
-        self.jobs.start(session, cmd, handler(session, cmd), received)
-
-    # Outcomes -------------------------------------------------------------------------
-
-    def finish(
-        self, identity: bytes, op: int, req_id: int, code: int, detail: str, result: dict[str, Any], received: float
-    ) -> None:
-        """Sends the one outcome of a command: an event for asynchronous commands of a
-        client with an event channel, else a reply on the command socket."""
-        outcome = Outcome(req_id, self.boot_id, self.rank, code, detail, result, op)
-        name = _op_name(op)
-        self.metrics.commands.labels(name, _code_name(code)).inc()
-        self.metrics.latency.labels(name).observe(time.monotonic() - received)
-        if code != ErrorCode.OK:
-            log.debug("%s req_id=%d -> %s: %s", name, req_id, _code_name(code), detail)
-        session = self.sessions.get(identity)
-        if op in ASYNC_TYPES and req_id and session is not None and session.events is not None:
-            if not self.sinks.send(session.events, encode_outcome(outcome, MsgType.EVENT)):
-                self.metrics.events_dropped.inc()
-            return
-        self._reply(identity, encode_outcome(outcome, MsgType.REPLY))
+    def _job_done(self, identity: bytes, cmd: Command, code: int, detail: str, result: dict[str, Any],
+                  received: float) -> None:  # fmt: skip
+        self.dispatcher.job_done(identity, cmd, code, detail, result, received)
 
     def _reply(self, identity: bytes, frames: list[bytes]) -> None:
-        if self.router is None or self.router.closed:
+        router = self.router
+        if router is None or router.closed:
             return
-        # The ROUTER never blocks: the send completes (or fails) at once.
-        future = cast(asyncio.Future[Any], self.router.send_multipart([identity, *frames]))
-        future.add_done_callback(self._reply_sent)
-
-    def _reply_sent(self, future: asyncio.Future[Any]) -> None:
-        if not future.cancelled() and future.exception() is not None:
+        try:  # the ROUTER never blocks: the send completes (or fails) at once
+            router.send_multipart([identity, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
             self.metrics.events_dropped.inc()
-            log.info("reply dropped: %s", future.exception())
+            log.info("reply dropped: %s", exc)
+        self._check_readable()
 
     # Introspection --------------------------------------------------------------------
 
@@ -341,14 +309,14 @@ class Daemon:
             "version": __version__,
             "protocol": [PROTOCOL_MAJOR, PROTOCOL_MINOR],
             "pid": os.getpid(),
-            "state": self.state,
+            "state": self.state.value,
             "uptime_s": round(time.time() - self.started_at, 3),
             "endpoint": self.config.endpoint,
             "metrics_url": f"http://{self.config.metrics.host}:{port}/metrics" if port else "",
             "backend": self.backend.describe(),
             "host_cache": self.host.describe(),
             "device": self.device.describe(),
-            "commands": {"queued": queued, "running": running},
+            "commands": {"queued": queued, "running": running, "held": self.dispatcher.held},
             "clients": len(self.sessions),
             "storage": self.storage.describe() if self.storage is not None else {"backend": "none"},
         }

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 
@@ -31,7 +31,8 @@ class Session:
     role: str = "engine"
     events: str | None = None
     pid: int | None = None
-    inflight: set[int] = field(default_factory=set)  # req_ids of async commands without outcome
+    batch_events: bool = False  # deliver events in EVENT_BATCH messages (protocol 1.1)
+    inflight: int = 0  # commands accepted from this client and still without an outcome
 
 
 class EventSinks:
@@ -86,11 +87,14 @@ class Sessions:
     def get(self, identity: bytes) -> Session | None:
         return self._by_identity.get(identity)
 
-    def hello(self, identity: bytes, client: str, role: str, events: str | None, pid: int | None) -> Session:
+    def hello(
+        self, identity: bytes, client: str, role: str, events: str | None, pid: int | None, batch_events: bool = False
+    ) -> Session:
         if events is not None:
             self.sinks.open(events)
         session = self._by_identity.pop(identity, None) or Session(identity)
         session.client, session.role, session.events, session.pid = client, role, events, pid
+        session.batch_events = batch_events
         self._by_identity[identity] = session
         self._evict()
         return session

@@ -15,42 +15,39 @@ lookups of a shared prefix run concurrently.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..backends.base import CancelToken, Direction
-from ..backends.plan import check_ids, first_duplicate
-from ..protocol import Delete, ErrorCode, Load, Lookup, MsgType, ProtocolError, Store
+from ..protocol import Delete, ErrorCode, Load, Lookup, ProtocolError, Store
+from . import validate
 from .jobs import Job
 from .ordering import Access
 
 if TYPE_CHECKING:
     from ..backends.base import DeviceCache
-    from ..storage.tier import StorageTier
-    from .server import Daemon
-    from .sessions import Session
+    from ..metrics import DaemonMetrics
+    from .device import DeviceSlot
+    from .host import HostCache
+    from .storage_tier import StorageTier
 
 
 class StorageHandlers:
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
-        self.jobs: dict[MsgType, Any] = {
-            MsgType.STORE: self.handle_store,
-            MsgType.LOAD: self.handle_load,
-            MsgType.LOOKUP: self.handle_lookup,
-            MsgType.DELETE: self.handle_delete,
-        }
+    """The storage half of the handlers (the daemon's Handlers class extends it)."""
+
+    def __init__(
+        self, device: DeviceSlot, host: HostCache, storage: StorageTier | None, metrics: DaemonMetrics
+    ) -> None:
+        self.device, self.host, self.storage, self.metrics = device, host, storage, metrics
 
     def _tier(self) -> StorageTier:
-        tier: StorageTier | None = getattr(self.d, "storage", None)
-        if tier is None:
+        if self.storage is None:
             raise ProtocolError(ErrorCode.NO_STORAGE, "no storage backend configured (storage.backend = none)")
-        return tier
+        return self.storage
 
     def _geometry(self) -> tuple[int, int, str]:
         """(host blocks, bytes per block, layout fingerprint) of the host cache."""
-        geometry = self.d.host.require_geometry()
-        fingerprint = self.d.host.fingerprint
+        geometry = self.host.require_geometry()
+        fingerprint = self.host.fingerprint
         if fingerprint is None:
             raise ProtocolError(ErrorCode.NOT_ATTACHED, "the layout of host blocks is unknown until the first attach")
         return geometry.num_blocks, geometry.block_bytes, fingerprint
@@ -60,31 +57,23 @@ class StorageHandlers:
     ) -> tuple[int, str, DeviceCache | None]:
         """Checks a store/load; returns (block bytes, fingerprint, device cache or None)."""
         host_blocks, block_bytes, fingerprint = self._geometry()
-        if len(host_ids) != len(keys):
-            raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"keys has {len(keys)} entries, host_ids {len(host_ids)}")
-        reason = check_ids(host_ids, host_blocks, "host_ids")
-        if reason:
-            raise ProtocolError(ErrorCode.ID_OUT_OF_RANGE, reason)
+        validate.same_length(keys, host_ids, ("keys", "host_ids"))
+        validate.ids_in_range(host_ids, host_blocks, "host_ids")
         cache = None
         if device_ids is not None:
-            cache = self.d.device.require()
-            if len(device_ids) != len(keys):
-                raise ProtocolError(
-                    ErrorCode.LENGTH_MISMATCH, f"keys has {len(keys)} entries, device_ids {len(device_ids)}"
-                )
-            reason = check_ids(device_ids, cache.layout.num_blocks, "device_ids")
-            if reason:
-                raise ProtocolError(ErrorCode.ID_OUT_OF_RANGE, reason)
-            _no_duplicates(host_ids if writes_keys else device_ids, "host" if writes_keys else "device")
+            cache = self.device.require()
+            validate.same_length(keys, device_ids, ("keys", "device_ids"))
+            validate.ids_in_range(device_ids, cache.layout.num_blocks, "device_ids")
+            validate.unique_blocks(host_ids if writes_keys else device_ids, "host" if writes_keys else "device")
         if writes_keys:  # store: the keys are its destinations
-            _no_duplicate_keys(keys)
+            validate.unique_keys(keys)
         else:  # load: host blocks are its destinations
-            _no_duplicates(host_ids, "host")
+            validate.unique_blocks(host_ids, "host")
         return block_bytes, fingerprint, cache
 
     # STORE ------------------------------------------------------------------------------
 
-    def handle_store(self, session: Session, cmd: Store) -> Job:
+    def handle_store(self, cmd: Store) -> Job:
         tier = self._tier()
         block_bytes, fingerprint, cache = self._validate(cmd.keys, cmd.host_ids, cmd.device_ids, writes_keys=True)
         keys, host_ids, device_ids = cmd.keys, cmd.host_ids, cmd.device_ids
@@ -92,7 +81,7 @@ class StorageHandlers:
         async def work(cancel: CancelToken) -> dict[str, Any]:
             if cache is not None and device_ids:
                 moved = await cache.swap(Direction.D2H, device_ids, host_ids, cancel)
-                self.d.metrics.transfer_bytes.labels(Direction.D2H.value).inc(moved)
+                self.metrics.transfer_bytes.labels(Direction.D2H.value).inc(moved)
                 cancel.check()
             return await tier.store(keys, host_ids, block_bytes, fingerprint, cancel)
 
@@ -106,7 +95,7 @@ class StorageHandlers:
 
     # LOAD -------------------------------------------------------------------------------
 
-    def handle_load(self, session: Session, cmd: Load) -> Job:
+    def handle_load(self, cmd: Load) -> Job:
         tier = self._tier()
         block_bytes, fingerprint, cache = self._validate(cmd.keys, cmd.host_ids, cmd.device_ids, writes_keys=False)
         keys, host_ids, device_ids = cmd.keys, cmd.host_ids, cmd.device_ids
@@ -117,7 +106,7 @@ class StorageHandlers:
             if cache is not None and device_ids and loaded:
                 cancel.check()
                 moved = await cache.swap(Direction.H2D, device_ids[:loaded], host_ids[:loaded], cancel)
-                self.d.metrics.transfer_bytes.labels(Direction.H2D.value).inc(moved)
+                self.metrics.transfer_bytes.labels(Direction.H2D.value).inc(moved)
             return result
 
         access = Access(
@@ -127,7 +116,7 @@ class StorageHandlers:
 
     # LOOKUP / DELETE ----------------------------------------------------------------------
 
-    def handle_lookup(self, session: Session, cmd: Lookup) -> Job:
+    def handle_lookup(self, cmd: Lookup) -> Job:
         tier = self._tier()
         keys = cmd.keys
 
@@ -136,7 +125,7 @@ class StorageHandlers:
 
         return Job(Access(keys_read=frozenset(keys)), work)
 
-    def handle_delete(self, session: Session, cmd: Delete) -> Job:
+    def handle_delete(self, cmd: Delete) -> Job:
         tier = self._tier()
         keys = cmd.keys
 
@@ -144,19 +133,3 @@ class StorageHandlers:
             return {"deleted": await tier.delete(keys, cancel)}
 
         return Job(Access(keys_write=frozenset(keys)), work)
-
-
-def _no_duplicates(ids: Sequence[int], side: str) -> None:
-    dup = first_duplicate(ids)
-    if dup is not None:
-        raise ProtocolError(ErrorCode.DUPLICATE_ID, f"destination {side} block {dup} appears more than once")
-
-
-def _no_duplicate_keys(keys: Sequence[str]) -> None:
-    if len(set(keys)) == len(keys):
-        return
-    seen: set[str] = set()
-    for key in keys:
-        if key in seen:
-            raise ProtocolError(ErrorCode.DUPLICATE_ID, f"key {key!r} appears more than once (each key is one object)")
-        seen.add(key)

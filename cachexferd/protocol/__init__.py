@@ -3,21 +3,29 @@
 Imports neither torch nor the daemon, so engines in any process can use it.
 """
 
-from .codec import decode_command, decode_header, decode_outcome, encode_command, encode_header, encode_outcome
-from .constants import (
-    ASYNC_TYPES,
-    MAGIC,
-    PROTOCOL_MAJOR,
-    PROTOCOL_MINOR,
-    SYNC_TYPES,
-    ErrorCode,
-    Limits,
-    MsgType,
+from .codec import (
+    batch_item,
+    batch_items,
+    command_from_body,
+    decode_command,
+    decode_frames,
+    decode_header,
+    decode_outcome,
+    decode_outcomes,
+    encode_batch,
+    encode_body,
+    encode_command,
+    encode_event_batch,
+    encode_header,
+    encode_outcome,
 )
+from .constants import MAGIC, PROTOCOL_MAJOR, PROTOCOL_MINOR, ErrorCode, Limits, MsgType
 from .errors import ProtocolError
 from .layout import DTYPE_BYTES, KVLayout, LayoutError
 from .messages import (
+    ASYNC_TYPES,
     COMMANDS,
+    SYNC_TYPES,
     Attach,
     ClearHost,
     Command,
@@ -64,10 +72,18 @@ __all__ = [
     "Store",
     "SwapIn",
     "SwapOut",
+    "batch_item",
+    "batch_items",
+    "command_from_body",
     "decode_command",
+    "decode_frames",
     "decode_header",
     "decode_outcome",
+    "decode_outcomes",
+    "encode_batch",
+    "encode_body",
     "encode_command",
+    "encode_event_batch",
     "encode_header",
     "encode_outcome",
 ]

@@ -10,20 +10,23 @@ from enum import IntEnum
 
 MAGIC = b"CX"
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1  # 1.1: BATCH envelope and EVENT_BATCH (negotiated in HELLO)
 HEADER_LEN = 4  # MAGIC (2 bytes) + major (u8) + message type (u8)
 
 
 class MsgType(IntEnum):
     """Message-type tag carried in byte 3 of every header frame."""
 
-    # Synchronous commands: the outcome is a REPLY on the command socket.
+    # Synchronous commands: the outcome is a REPLY on the command socket. Whether a type is
+    # synchronous or asynchronous is declared once, by its message class (messages.py).
     HELLO = 1
     PING = 2
     STATUS = 3
     ATTACH = 4
     DETACH = 5
     SHUTDOWN = 6
+    # An envelope carrying many commands (protocol 1.1); each keeps its own outcome.
+    BATCH = 8
     # Asynchronous commands: the outcome is an EVENT on the client's event socket.
     SWAP_OUT = 16
     SWAP_IN = 17
@@ -35,21 +38,7 @@ class MsgType(IntEnum):
     # Daemon -> client.
     REPLY = 128
     EVENT = 129
-
-
-SYNC_TYPES = frozenset({MsgType.HELLO, MsgType.PING, MsgType.STATUS, MsgType.ATTACH, MsgType.DETACH, MsgType.SHUTDOWN})
-ASYNC_TYPES = frozenset(
-    {
-        MsgType.SWAP_OUT,
-        MsgType.SWAP_IN,
-        MsgType.CLEAR_HOST,
-        MsgType.STORE,
-        MsgType.LOAD,
-        MsgType.LOOKUP,
-        MsgType.DELETE,
-    }
-)
-COMMAND_TYPES = SYNC_TYPES | ASYNC_TYPES
+    EVENT_BATCH = 130  # many EVENT outcomes in one message (protocol 1.1, when asked for in HELLO)
 
 
 class ErrorCode(IntEnum):
@@ -100,3 +89,4 @@ class Limits:
     MAX_TENSORS = 4096  # device tensors in one attach
     MAX_BLOCK_ID = (1 << 31) - 1
     MAX_REQ_ID = (1 << 64) - 1
+    MAX_BATCH = 4096  # commands in one BATCH envelope

@@ -1,8 +1,10 @@
-"""One frozen dataclass per command, plus the two outcome shapes (Reply and Event).
+"""One frozen dataclass per command, plus the outcome shape (Reply and Event).
 
 Each command field declares its checker in ``metadata["check"]``; ``decode_command``
 (codec.py) uses them on untrusted input. Unknown body fields are ignored so that minor
-protocol versions can add optional fields.
+protocol versions can add optional fields. Each command class also declares, once, whether
+it is asynchronous (its outcome is an EVENT) or synchronous (a REPLY): the daemon's dispatch
+tables, its outcome routing and the clients' methods all derive from that.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Command:
     """Fields every command carries."""
 
     TYPE: ClassVar[MsgType]
+    ASYNC: ClassVar[bool] = False  # True: ordered work whose outcome is an EVENT
     req_id: int = _spec(f.integer(1))
     # When set, the daemon refuses the command with STALE_BOOT unless this is its boot id:
     # a command queued for a daemon that died is not run by its successor.
@@ -38,14 +41,18 @@ class Command:
         return {fld.name: getattr(self, fld.name) for fld in fields(self)}
 
     @classmethod
+    def name(cls) -> str:
+        return cls.TYPE.name.lower()
+
+    @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Command:
         values: dict[str, Any] = {}
-        for fld in fields(cls):
-            if fld.name not in body:
-                if fld.default is MISSING:
-                    raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE.name.lower()} needs field {fld.name!r}")
+        for name, check, required in _SPECS[cls.TYPE]:
+            if name not in body:
+                if required:
+                    raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.name()} needs field {name!r}")
                 continue
-            values[fld.name] = fld.metadata["check"](fld.name, body[fld.name])
+            values[name] = check(name, body[name])
         return cls(**values)
 
 
@@ -57,6 +64,8 @@ class Hello(Command):
     role: str = _spec(f.text(16, ROLES), "engine")
     events: str | None = _spec(f.optional(f.text(512)), None)  # ZeroMQ endpoint the client's PULL binds
     pid: int | None = _spec(f.optional(f.integer(1, 1 << 31)), None)
+    # Protocol 1.1: deliver this client's events in EVENT_BATCH messages.
+    batch_events: bool = _spec(f.boolean(), False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +102,7 @@ class SwapOut(Command):
     """Device blocks -> host blocks, pairwise."""
 
     TYPE = MsgType.SWAP_OUT
+    ASYNC = True
     device_ids: list[int] = _spec(f.int_list())
     host_ids: list[int] = _spec(f.int_list())
 
@@ -102,6 +112,7 @@ class SwapIn(Command):
     """Host blocks -> device blocks, pairwise."""
 
     TYPE = MsgType.SWAP_IN
+    ASYNC = True
     device_ids: list[int] = _spec(f.int_list())
     host_ids: list[int] = _spec(f.int_list())
 
@@ -109,6 +120,7 @@ class SwapIn(Command):
 @dataclass(frozen=True, kw_only=True)
 class ClearHost(Command):
     TYPE = MsgType.CLEAR_HOST
+    ASYNC = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +128,7 @@ class Store(Command):
     """Host blocks (or device blocks staged through host_ids) -> storage objects by key."""
 
     TYPE = MsgType.STORE
+    ASYNC = True
     keys: list[str] = _spec(f.key_list())
     host_ids: list[int] = _spec(f.int_list())
     device_ids: list[int] | None = _spec(f.optional(f.int_list()), None)
@@ -126,6 +139,7 @@ class Load(Command):
     """Storage objects -> host blocks (-> device blocks when device_ids is given)."""
 
     TYPE = MsgType.LOAD
+    ASYNC = True
     keys: list[str] = _spec(f.key_list())
     host_ids: list[int] = _spec(f.int_list())
     device_ids: list[int] | None = _spec(f.optional(f.int_list()), None)
@@ -134,18 +148,29 @@ class Load(Command):
 @dataclass(frozen=True, kw_only=True)
 class Lookup(Command):
     TYPE = MsgType.LOOKUP
+    ASYNC = True
     keys: list[str] = _spec(f.key_list())
 
 
 @dataclass(frozen=True, kw_only=True)
 class Delete(Command):
     TYPE = MsgType.DELETE
+    ASYNC = True
     keys: list[str] = _spec(f.key_list())
 
 
 COMMANDS: dict[MsgType, type[Command]] = {
     cls.TYPE: cls
     for cls in (Hello, Ping, Status, Attach, Detach, Shutdown, SwapOut, SwapIn, ClearHost, Store, Load, Lookup, Delete)
+}
+ASYNC_TYPES = frozenset(t for t, cls in COMMANDS.items() if cls.ASYNC)
+SYNC_TYPES = frozenset(t for t, cls in COMMANDS.items() if not cls.ASYNC)
+COMMAND_TYPES = frozenset(COMMANDS)
+
+# (name, checker, required) per field, computed once: decoding is on the daemon's hot path.
+_SPECS: dict[MsgType, tuple[tuple[str, f.Check, bool], ...]] = {
+    t: tuple((fld.name, fld.metadata["check"], fld.default is MISSING) for fld in fields(cls))
+    for t, cls in COMMANDS.items()
 }
 
 
@@ -183,6 +208,25 @@ class Outcome:
             "detail": self.detail,
             "result": self.result,
         }
+
+    def to_compact(self) -> list[Any]:
+        """The entry of this outcome in an EVENT_BATCH's ``events`` list."""
+        return [self.req_id, self.op, int(self.code), self.detail, self.result]
+
+    @classmethod
+    def from_compact(cls, entry: Any, boot_id: str, rank: int) -> Outcome:
+        if type(entry) is not list or len(entry) != 5:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "an EVENT_BATCH entry must be [req_id, op, code, detail, result]")
+        req_id, op, code, detail, result = entry
+        return cls(
+            req_id=f.integer(0)("req_id", req_id),
+            boot_id=boot_id,
+            rank=rank,
+            code=f.integer(0, 1 << 16)("code", code),
+            detail=f.text(Limits.MAX_STR * 4)("detail", detail),
+            result=f.mapping(1 << 16)("result", result),
+            op=f.integer(0, 255)("op", op),
+        )
 
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> Outcome:

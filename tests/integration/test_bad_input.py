@@ -135,7 +135,7 @@ def test_bad_attaches(raw: RawClient, shm_cache: ShmKVCache) -> None:
     assert _attach(raw, good_layout, {**good_device, "name": "../etc/passwd"}) == ErrorCode.BAD_FIELD
     assert _attach(raw, good_layout, {**good_device, "name": "no-such-segment"}) == ErrorCode.ATTACH_FAILED
     assert _attach(raw, good_layout, {**good_device, "kind": "cuda_ipc"}) == ErrorCode.BAD_FIELD
-    assert _attach(raw, good_layout, {**good_device, "offsets": [0] * SMALL.num_tensors}) == ErrorCode.BAD_FIELD
+    assert _attach(raw, good_layout, {**good_device, "offsets": [0] * SMALL.num_tensors}) == ErrorCode.LAYOUT_MISMATCH
     assert _attach(raw, good_layout, {**good_device, "offsets": [1]}) == ErrorCode.BAD_FIELD
     bigger = {**good_layout, "num_blocks": SMALL.num_blocks * 2}  # the segment is too small for it
     spaced = [t * SMALL.tensor_bytes * 2 for t in range(SMALL.num_tensors)]

@@ -259,8 +259,7 @@ def test_daemon_answers_at_once_and_reports_pinning_progress(short_tmp: Path) ->
         box["daemon"], box["loop"] = daemon, asyncio.get_running_loop()
         await daemon.start()
         ready.set()
-        assert daemon._stop is not None
-        await daemon._stop.wait()
+        await daemon.wait_stop_requested()
         await daemon.shutdown()
 
     thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)

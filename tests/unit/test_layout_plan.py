@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cachexferd.backends.plan import Run, check_ids, coalesce, first_duplicate, shard
+from cachexferd.backends.plan import Run, coalesce, shard
 from cachexferd.protocol import KVLayout, LayoutError
 
 
@@ -98,10 +98,3 @@ def test_shard_cuts_one_long_run() -> None:
     shards = shard([Run(0, 100, 10)], 3)
     assert [sum(r.length for r in s) for s in shards] == [4, 4, 2]
     assert _expand([r for s in shards for r in s]) == [(i, 100 + i) for i in range(10)]
-
-
-def test_id_checks() -> None:
-    assert check_ids([0, 9], 10, "x") is None
-    assert "10" in (check_ids([3, 10], 10, "x") or "")
-    assert first_duplicate([1, 2, 3]) is None
-    assert first_duplicate([1, 2, 1, 2]) == 1

@@ -1,10 +1,12 @@
-"""Same-block commands keep submission order; independent ones do not wait."""
+"""Same-block commands keep submission order; independent ones do not wait; the cost of
+ordering a command does not grow with the number of commands in flight."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 
-from cachexferd.daemon.ordering import Access, BlockOrdering, swap_access
+from cachexferd.daemon.ordering import Access, BlockOrdering, Entry, swap_access
 
 
 def test_conflict_rules() -> None:
@@ -24,43 +26,113 @@ def test_conflict_rules() -> None:
 
 
 def test_register_waits_only_for_conflicts() -> None:
-    async def scenario() -> None:
-        order = BlockOrdering()
-        a, wa = order.register(swap_access([1], [7], to_host=True))
-        b, wb = order.register(swap_access([2], [8], to_host=True))
-        c, wc = order.register(swap_access([3], [7], to_host=False))
-        assert wa == [] and wb == [] and wc == [a.done]
-        assert order.counts() == (3, 0)
-        order.release(a)
-        assert a.done.done() and not b.done.done()
-        order.release(b)
-        order.release(c)
-        assert order.active() == []
+    order = BlockOrdering()
+    a = order.register(swap_access([1], [7], to_host=True))
+    b = order.register(swap_access([2], [8], to_host=True))
+    c = order.register(swap_access([3], [7], to_host=False))
+    assert a.ready and b.ready and not c.ready
+    assert order.counts() == (3, 0)
+    assert order.release(b) == []
+    assert order.release(a) == [c]
+    assert order.release(c) == []
+    assert order.active() == [] and len(order) == 0
 
-    asyncio.run(scenario())
+
+def test_readers_share_and_writer_waits_for_all_of_them() -> None:
+    order = BlockOrdering()
+    w1 = order.register(Access(host_write=frozenset({5})))
+    r1 = order.register(Access(host_read=frozenset({5})))
+    r2 = order.register(Access(host_read=frozenset({5})))
+    w2 = order.register(Access(host_write=frozenset({5})))
+    assert [w1.ready, r1.ready, r2.ready, w2.ready] == [True, False, False, False]
+    assert order.release(w1) == [r1, r2]  # both readers at once
+    assert order.release(r1) == []
+    assert order.release(r2) == [w2]
 
 
 def test_device_only_listing() -> None:
-    async def scenario() -> None:
-        order = BlockOrdering()
-        order.register(Access(host_read=frozenset({1})))
-        dev, _ = order.register(swap_access([1], [2], to_host=True))
-        assert order.active(device_only=True) == [dev]
-
-    asyncio.run(scenario())
+    order = BlockOrdering()
+    order.register(Access(host_read=frozenset({1})))
+    dev = order.register(swap_access([1], [2], to_host=True))
+    assert order.active(device_only=True) == [dev]
 
 
-def test_finished_and_done_are_separate() -> None:
+def test_finished_and_released_are_separate() -> None:
     """An entry held past its outcome (storage call stuck) still blocks conflicting work."""
 
     async def scenario() -> None:
         order = BlockOrdering()
-        held, _ = order.register(Access(host_write=frozenset({5}), device_read=frozenset({1})))
+        held = order.register(Access(host_write=frozenset({5}), device_read=frozenset({1})))
+        waiter = held.when_finished()
+        order.start(held)
         order.finish(held, 33)
-        assert held.finished.done() and not held.done.done()
-        _, waits = order.register(Access(host_read=frozenset({5})))
-        assert waits == [held.done]
-        order.release(held)
-        assert held.done.done()
+        assert waiter.done() and held.code == 33 and order.counts() == (0, 0)
+        later = order.register(Access(host_read=frozenset({5})))
+        assert not later.ready
+        assert order.release(held) == [later]
 
     asyncio.run(scenario())
+
+
+def test_clear_host_is_a_barrier_for_every_host_access() -> None:
+    order = BlockOrdering()
+    before = [order.register(Access(host_read=frozenset({i}))) for i in range(3)]
+    device_only = order.register(Access(device_write=frozenset({9})))
+    clear = order.register(Access(all_host_write=True))
+    after = order.register(Access(host_write=frozenset({77})))
+    assert device_only.ready and not clear.ready and not after.ready
+    for entry in before[:-1]:
+        assert order.release(entry) == []
+    assert order.release(before[-1]) == [clear]
+    assert order.release(clear) == [after]
+
+
+def _check_against_pairwise_rule(seed: int, steps: int = 600) -> None:
+    """Random registrations and releases: an entry is ready exactly when every earlier
+    entry it conflicts with (the pairwise rule of docs/protocol.md §9) has been released."""
+    rng = random.Random(seed)
+    order = BlockOrdering()
+    live: list[Entry] = []  # unreleased, in registration order
+
+    def random_access() -> Access:
+        pick = lambda: frozenset(rng.sample(range(6), rng.randint(0, 2)))  # noqa: E731
+        if rng.random() < 0.03:
+            return Access(all_host_write=True)
+        return Access(pick(), pick(), pick(), pick(), keys_read=frozenset(map(str, pick())))
+
+    for _ in range(steps):
+        if live and rng.random() < 0.45:
+            ready = [e for e in live if e.ready]
+            victim = rng.choice(ready)
+            order.release(victim)
+            live.remove(victim)
+        else:
+            live.append(order.register(random_access()))
+        for i, entry in enumerate(live):
+            blocked = any(entry.access.conflicts_with(earlier.access) for earlier in live[:i])
+            assert entry.ready == (not blocked), (seed, i)
+
+
+def test_scoreboard_matches_the_pairwise_rule() -> None:
+    for seed in range(25):
+        _check_against_pairwise_rule(seed)
+
+
+def test_work_per_command_does_not_grow_with_commands_in_flight() -> None:
+    """Registration and release cost O(ids in the command): counted, not timed."""
+
+    def examined_per_command(chain: int, independent: int) -> float:
+        order = BlockOrdering()
+        for i in range(independent):  # in flight, untouched by the chain
+            order.register(swap_access([1000 + i], [1000 + i], to_host=True))
+        start = order.examined
+        entries = [order.register(swap_access([1], [7], to_host=i % 2 == 0)) for i in range(chain)]
+        for entry in entries:
+            assert entry.ready
+            order.release(entry)
+        return (order.examined - start) / chain
+
+    small = examined_per_command(1_000, 0)
+    assert small <= 4  # two ids, at most one dependency each
+    assert abs(examined_per_command(10_000, 0) - small) < 0.01
+    assert abs(examined_per_command(1_000, 20_000) - small) < 0.01

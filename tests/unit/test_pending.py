@@ -52,7 +52,7 @@ def test_core_detects_restart_and_queues_hello() -> None:
     core = EngineCore(2, "t", "ipc:///tmp/e", timeout_s=10, heartbeat_s=1)
     core.accept_hellos([_ok(1, 0, "boot0"), _ok(2, 1, "boot1")])
     req_id, cmds = core.build(MsgType.SWAP_OUT, {"device_ids": [1], "host_ids": [2]}, None)
-    assert [c.boot_id for c in cmds] == ["boot0", "boot1"]
+    assert [c["boot_id"] for c in cmds] == ["boot0", "boot1"] and cmds[0]["req_id"] == req_id
     done, resend = core.on_outcome(_ok(req_id, 0, "boot0"))
     assert done == [] and resend == []
     # Rank 1 answers a ping with a new boot id: its in-flight command fails at once.

@@ -16,6 +16,7 @@ from cachexferd.backends.base import CancelToken
 from cachexferd.config import load_config
 from cachexferd.daemon.jobs import HoldBlocks
 from cachexferd.daemon.ordering import Access
+from cachexferd.daemon.storage_tier import IOPool, StorageTier, shards
 from cachexferd.host_cache import HostPool
 from cachexferd.metrics import DaemonMetrics
 from cachexferd.protocol import ErrorCode, ProtocolError
@@ -29,7 +30,6 @@ from cachexferd.storage.base import (
     StorageFailure,
     StorageUnavailable,
 )
-from cachexferd.storage.tier import IOPool, StorageTier, shards
 
 FP = "0123456789abcdef"
 BLOCK = 4096

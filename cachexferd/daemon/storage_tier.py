@@ -26,9 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..daemon.jobs import HoldBlocks
 from ..protocol import ErrorCode, ProtocolError
-from .base import (
+from ..storage.base import (
     GetItem,
     GetResult,
     GetStatus,
@@ -38,7 +37,8 @@ from .base import (
     StorageTimeoutError,
     StorageUnavailable,
 )
-from .objects import Checksum, ObjectCodec, Verdict
+from ..storage.objects import Checksum, ObjectCodec, Verdict
+from .jobs import HoldBlocks
 
 if TYPE_CHECKING:
     from ..backends.base import CancelToken
@@ -307,7 +307,7 @@ def open_storage(config: Config, pool: HostPool, metrics: DaemonMetrics) -> Stor
     """The daemon's storage tier, or None for ``storage.backend = "none"``. Connecting is
     left to ``StorageTier.start``. A missing client library or a malformed address is a
     configuration error (ValueError): the operator chose a backend this install cannot run."""
-    from . import load_storage
+    from ..storage import load_storage
 
     try:
         backend = load_storage(config, pool)
