@@ -8,12 +8,10 @@ loop can await it; implementations do the byte moving off the loop (threads, CUD
 from __future__ import annotations
 
 import asyncio
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..host_cache import HostGeometry, HostPool
 from ..protocol import ErrorCode, KVLayout, ProtocolError
@@ -25,24 +23,26 @@ class Direction(StrEnum):
 
 
 class CancelToken:
-    """Set from the loop thread, polled by copy workers between runs (thread-safe)."""
+    """Set from the loop thread, polled by copy workers between runs.
+
+    One is made per command, so it is three plain attributes, not a threading.Event:
+    workers only ever read ``cancelled``, and ``cancel`` writes the code and detail before
+    the flag, so a worker that sees the flag (an atomic attribute read) sees both."""
+
+    __slots__ = ("cancelled", "code", "detail")
 
     def __init__(self) -> None:
-        self._event = threading.Event()
+        self.cancelled = False
         self.code = ErrorCode.OK
         self.detail = ""
 
     def cancel(self, code: ErrorCode, detail: str) -> None:
-        if not self._event.is_set():
+        if not self.cancelled:
             self.code, self.detail = code, detail
-            self._event.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._event.is_set()
+            self.cancelled = True
 
     def check(self) -> None:
-        if self._event.is_set():
+        if self.cancelled:
             raise ProtocolError(self.code, self.detail)
 
 
@@ -54,8 +54,7 @@ class AttachError(Exception):
         self.code = code
 
 
-@dataclass(frozen=True)
-class SwapRequest:
+class SwapRequest(NamedTuple):
     """One command's block pairs, for ``DeviceCache.swap_many``."""
 
     device_ids: Sequence[int]
@@ -67,6 +66,10 @@ class DeviceCache(ABC):
     """A runner's KV cache as imported into the daemon."""
 
     layout: KVLayout
+    # Batches of at most this many bytes may be copied on the caller's thread with
+    # ``swap_now``: handing a few small blocks to a worker thread costs more CPU (a wake-up,
+    # a future, a GIL hand-off: tens of microseconds) than copying them. 0: never.
+    inline_bytes: int = 0
 
     @abstractmethod
     async def swap(
@@ -83,6 +86,10 @@ class DeviceCache(ABC):
             *(self.swap(direction, r.device_ids, r.host_ids, r.cancel) for r in requests), return_exceptions=True
         )
         return [r if isinstance(r, BaseException) else None for r in results]
+
+    def swap_now(self, direction: Direction, requests: Sequence[SwapRequest]) -> list[BaseException | None]:
+        """``swap_many`` on the calling thread, for batches within ``inline_bytes``."""
+        raise NotImplementedError(f"{type(self).__name__} copies only off the calling thread")
 
     @property
     @abstractmethod

@@ -43,6 +43,7 @@ SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 _FOREACH_BATCH = 512  # single-block copies per _foreach_copy_ call (bounds cancel latency)
 _MIN_SHARD_BYTES = 2 << 20  # below this, handing work to another thread costs more than it saves
+_INLINE_BYTES = 256 << 10  # a batch this small is copied on the loop thread (tens of microseconds)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ def open_segment(name: Any) -> tuple[torch.UntypedStorage, int]:
 
 
 class CpuDeviceCache(DeviceCache):
+    inline_bytes = _INLINE_BYTES
+
     def __init__(self, backend: CpuBackend, layout: KVLayout, device: dict[str, Any], host: torch.Tensor) -> None:
         if device.get("kind") != "shm":
             raise AttachError("cpu backend needs device.kind = 'shm'", ErrorCode.BAD_FIELD)
@@ -142,6 +145,11 @@ class CpuDeviceCache(DeviceCache):
             for index, error in outcome.items():
                 results[index] = results[index] or error
         return results
+
+    def swap_now(self, direction: Direction, requests: Sequence[SwapRequest]) -> list[BaseException | None]:
+        items = [(i, coalesce(r.device_ids, r.host_ids)) for i, r in enumerate(requests)]
+        failed = self._copy_shard(direction, items, [r.cancel for r in requests])
+        return [failed.get(i) for i in range(len(requests))]
 
     def _copy_shard(
         self, direction: Direction, items: list[tuple[int, list[Run]]], cancels: list[CancelToken]

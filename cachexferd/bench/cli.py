@@ -15,6 +15,9 @@ def add_bench(sub: Any) -> None:
     from .storage import add_storage_args
 
     add_storage_args(kinds.add_parser("storage", help="store / load GB/s per backend vs its raw client"))
+    from .commands import add_commands_args
+
+    add_commands_args(kinds.add_parser("commands", help="commands/s of a daemon vs a bare pyzmq loop"))
 
 
 def run_bench(args: argparse.Namespace) -> int:

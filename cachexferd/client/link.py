@@ -117,7 +117,6 @@ class Link:
             except ProtocolError as exc:
                 log.warning("undecodable reply from %s: %s", self.endpoint, exc)
 
-
     def call(self, cmd: Command, timeout_s: float, on_other: Callable[[Outcome], None] | None = None) -> Outcome:
         """Sends and waits for the reply to ``cmd``; other replies go to ``on_other``."""
         self.send(cmd)

@@ -8,7 +8,8 @@ releases what they wait for. Nothing waits in a task of its own.
 
 Ready jobs are started once per loop iteration: every ready copy of one direction goes to
 the copy backend as one batch (one hand-off to the copy workers for the lot, not one per
-command), every other job runs as a task. Each job ends in ``_complete``, which decides its
+command; a batch of a few small blocks is copied on the spot, see DeviceCache.inline_bytes),
+every other job runs as a task. Each job ends in ``_complete``, which decides its
 outcome exactly once, releases its blocks and starts whatever that made ready.
 """
 
@@ -18,8 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..backends.base import CancelToken, DeviceCache, Direction, SwapRequest
 from ..protocol import Command, ErrorCode, ProtocolError
@@ -47,8 +47,7 @@ class HoldBlocks(ProtocolError):
         self.running = running
 
 
-@dataclass(frozen=True)
-class Copy:
+class Copy(NamedTuple):
     """A swap: block pairs between the attached device cache and the host cache."""
 
     cache: DeviceCache
@@ -57,15 +56,13 @@ class Copy:
     host_ids: Sequence[int]
 
 
-@dataclass(frozen=True)
-class Job:
+class Job(NamedTuple):
     access: Access
     work: Work | None = None  # storage I/O, clear-host: a coroutine run as a task
     copy: Copy | None = None  # swaps: batched with the other ready copies
 
 
-@dataclass(frozen=True, slots=True)
-class Ticket:
+class Ticket(NamedTuple):
     """What an ordering entry carries: who asked, what, and when it arrived."""
 
     identity: bytes
@@ -115,19 +112,37 @@ class Jobs:
             if len(batch) == MAX_COPY_BATCH:
                 self._spawn(self._run_copies(batches.pop((id(job.copy.cache), job.copy.direction))))
         for batch in batches.values():
-            self._spawn(self._run_copies(batch))
+            self._start_copies(batch)
         self._publish()
 
-    async def _run_copies(self, entries: list[Entry]) -> None:
-        copies: list[Copy] = [e.payload.job.copy for e in entries]
-        first = copies[0]
-        requests = [SwapRequest(c.device_ids, c.host_ids, e.cancel) for c, e in zip(copies, entries)]
+    def _start_copies(self, entries: list[Entry]) -> None:
+        """Small batches are copied right here (cheaper than a hand-off); others off the loop."""
+        first: Copy = entries[0].payload.job.copy
+        blocks = sum(len(e.payload.job.copy.device_ids) for e in entries)
+        if blocks * first.cache.layout.host_block_bytes > first.cache.inline_bytes:
+            self._spawn(self._run_copies(entries))
+            return
         started = time.monotonic()
         try:
-            errors = await first.cache.swap_many(first.direction, requests)
+            errors = first.cache.swap_now(first.direction, _requests(entries))
         except Exception as exc:  # a bug in the backend: every command of the batch fails
             errors = [exc] * len(entries)
+        self._copies_done(entries, errors, started)
+
+    async def _run_copies(self, entries: list[Entry]) -> None:
+        first: Copy = entries[0].payload.job.copy
+        started = time.monotonic()
+        try:
+            errors = await first.cache.swap_many(first.direction, _requests(entries))
+        except Exception as exc:  # a bug in the backend: every command of the batch fails
+            errors = [exc] * len(entries)
+        self._copies_done(entries, errors, started)
+        self._publish()
+
+    def _copies_done(self, entries: list[Entry], errors: list[BaseException | None], started: float) -> None:
         finished = time.monotonic()
+        copies: list[Copy] = [e.payload.job.copy for e in entries]
+        first = copies[0]
         block_bytes = first.cache.layout.host_block_bytes
         moved = 0
         for entry, copy, error in zip(entries, copies, errors):
@@ -145,7 +160,6 @@ class Jobs:
                 code, detail = self._describe(entry, error)
                 self._complete(entry, code, detail, {})
         self.metrics.transfer_bytes.labels(first.direction.value).inc(moved)
-        self._publish()
 
     async def _run_work(self, entry: Entry) -> None:
         work = entry.payload.job.work
@@ -223,3 +237,7 @@ class Jobs:
     def _publish(self) -> None:
         self.metrics.queued.set(self.ordering.waiting)
         self.metrics.running.set(self.ordering.running)
+
+
+def _requests(entries: list[Entry]) -> list[SwapRequest]:
+    return [SwapRequest(e.payload.job.copy.device_ids, e.payload.job.copy.host_ids, e.cancel) for e in entries]

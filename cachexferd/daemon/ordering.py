@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..backends.base import CancelToken
 
 
-@dataclass(frozen=True)
-class Access:
+class Access(NamedTuple):
+    """The blocks and keys one command reads and writes (a tuple: one is made per command)."""
+
     device_read: frozenset[int] = frozenset()
     device_write: frozenset[int] = frozenset()
     host_read: frozenset[int] = frozenset()

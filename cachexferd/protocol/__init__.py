@@ -18,6 +18,7 @@ from .codec import (
     encode_event_batch,
     encode_header,
     encode_outcome,
+    encode_outcome_fields,
 )
 from .constants import MAGIC, PROTOCOL_MAJOR, PROTOCOL_MINOR, ErrorCode, Limits, MsgType
 from .errors import ProtocolError
@@ -86,4 +87,5 @@ __all__ = [
     "encode_event_batch",
     "encode_header",
     "encode_outcome",
+    "encode_outcome_fields",
 ]

@@ -18,7 +18,7 @@ import msgpack
 
 from .constants import HEADER_LEN, MAGIC, PROTOCOL_MAJOR, ErrorCode, Limits, MsgType
 from .errors import ProtocolError
-from .messages import COMMAND_TYPES, COMMANDS, Command, Outcome
+from .messages import COMMAND_TYPES, COMMANDS, Command, Outcome, error_name
 
 _HEADERS = {t: MAGIC + bytes((PROTOCOL_MAJOR, int(t))) for t in MsgType}
 
@@ -97,8 +97,19 @@ def encode_outcome(outcome: Outcome, msg_type: MsgType) -> list[bytes]:
     return [encode_header(msg_type), pack(outcome.to_wire())]
 
 
-def encode_event_batch(boot_id: str, rank: int, outcomes: list[Outcome]) -> list[bytes]:
-    body = {"boot_id": boot_id, "rank": rank, "events": [o.to_compact() for o in outcomes]}
+def encode_outcome_fields(
+    msg_type: MsgType, req_id: int, boot_id: str, rank: int, op: int, code: int, detail: str, result: dict[str, Any]
+) -> list[bytes]:
+    """``encode_outcome`` without building an Outcome first (the daemon's hot path)."""
+    body = {"req_id": req_id, "boot_id": boot_id, "rank": rank, "op": op, "code": code,
+            "error": error_name(code), "detail": detail, "result": result}  # fmt: skip
+    return [encode_header(msg_type), pack(body)]
+
+
+def encode_event_batch(boot_id: str, rank: int, entries: list[list[Any]]) -> list[bytes]:
+    """One EVENT_BATCH of compact entries ``[req_id, op, code, detail, result]``
+    (``Outcome.to_compact``), in the order their outcomes were decided."""
+    body = {"boot_id": boot_id, "rank": rank, "events": entries}
     return [encode_header(MsgType.EVENT_BATCH), pack(body)]
 
 

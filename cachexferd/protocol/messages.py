@@ -192,10 +192,7 @@ class Outcome:
 
     @property
     def error(self) -> str:
-        try:
-            return ErrorCode(self.code).name
-        except ValueError:
-            return f"UNKNOWN_{self.code}"
+        return error_name(self.code)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -242,3 +239,11 @@ class Outcome:
             )
         except KeyError as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"outcome needs field {exc.args[0]!r}") from None
+
+
+_ERROR_NAMES = {int(code): code.name for code in ErrorCode}
+
+
+def error_name(code: int) -> str:
+    """The name of an error code as outcomes carry it (UNKNOWN_<n> for codes this build lacks)."""
+    return _ERROR_NAMES.get(code) or f"UNKNOWN_{code}"
