@@ -83,3 +83,14 @@ def test_async_types_come_from_the_message_classes_and_every_one_has_a_client_me
     assert MsgType.SWAP_OUT in ASYNC_TYPES and MsgType.ATTACH not in ASYNC_TYPES
     for msg_type in ASYNC_TYPES:
         assert callable(getattr(CommandMethods, COMMANDS[msg_type].name(), None)), msg_type
+
+
+def test_event_batch_example_in_the_spec_is_byte_exact() -> None:
+    """docs/protocol.md §14.2 shows the body of an EVENT_BATCH byte by byte."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
+    block = text.split("## 14. Batch envelopes", 1)[1].split("```", 2)[1]
+    hex_bytes = "".join(line.split("#", 1)[0].replace(" ", "") for line in block.splitlines())
+    frames = encode_event_batch("b1", 0, [[7, 16, 0, "", {}], [8, 17, 10, "id", {}]])
+    assert frames[1].hex() == hex_bytes
