@@ -54,7 +54,10 @@ class HostPool:
         """Writable view of pool bytes, for storage I/O straight into the cache."""
         return memoryview(self._map)[offset : offset + nbytes]
 
-    def discard(self) -> None:
-        """Gives the pages back to the OS; the cache reads as zeros afterwards."""
-        if not self.pinned:
-            self._map.madvise(mmap.MADV_DONTNEED)
+    def discard(self) -> int:
+        """Gives the pages back to the OS (they come back, zeroed, when next touched);
+        returns the bytes given back. A pinned pool keeps its pages: 0."""
+        if self.pinned:
+            return 0
+        self._map.madvise(mmap.MADV_DONTNEED)
+        return self.capacity

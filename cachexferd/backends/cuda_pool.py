@@ -264,10 +264,19 @@ class PinnedHostPool(HostPool):
         """Blocks until the whole pool is usable (benchmarks time pinned copies only)."""
         return self.pinner.wait_ready(self.capacity, timeout_s)
 
-    def discard(self) -> None:
+    def discard(self) -> int:
         """Gives back only pages not registered (nor being registered): dropping a pinned
-        page would leave the GPU with the old page and the process with a new zero page."""
-        self.pinner.discard_tail(lambda start, length: self._map.madvise(mmap.MADV_DONTNEED, start, length))
+        page would leave the GPU with the old page and the process with a new zero page.
+        Returns the bytes given back."""
+        freed = 0
+
+        def give_back(start: int, length: int) -> None:
+            nonlocal freed
+            self._map.madvise(mmap.MADV_DONTNEED, start, length)
+            freed += length
+
+        self.pinner.discard_tail(give_back)
+        return freed
 
     def close(self) -> None:
         self.pinner.unpin()

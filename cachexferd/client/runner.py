@@ -20,12 +20,24 @@ import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import zmq
 
-from ..protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR, Attach, Detach, Hello, KVLayout, Status
-from .link import Link, check_ok
+from ..protocol import (
+    PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
+    Attach,
+    Detach,
+    Hello,
+    KVLayout,
+    Pause,
+    Resume,
+    SetWeights,
+    Status,
+)
+from .link import ClientError, Link, check_ok
 
 if TYPE_CHECKING:
     import torch
@@ -105,6 +117,17 @@ class ShmKVCache(KVTensors):
         self.close()
 
 
+@dataclass
+class WeightUpdate:
+    """What ``RunnerClient.weight_update`` yields: set ``cache`` (and ``version``) inside."""
+
+    cache: DeviceCacheHandle
+    version: int | None = None
+    paused: dict[str, Any] = field(default_factory=dict)  # PAUSE result
+    detached: dict[str, Any] = field(default_factory=dict)  # DETACH result
+    attached: dict[str, Any] = field(default_factory=dict)  # ATTACH result, after the block
+
+
 class RunnerClient:
     """Attach/detach calls for one model runner and its local daemon."""
 
@@ -152,6 +175,42 @@ class RunnerClient:
             yield info
         finally:
             self.detach()
+
+    def pause(self, drain_timeout_s: float | None = None) -> dict[str, Any]:
+        """Copies are refused (PAUSED) from now on; returns once those running are done."""
+        cmd = Pause(req_id=self._req_id(), drain_timeout_s=drain_timeout_s)
+        return check_ok(self.link.call(cmd, self.timeout_s))
+
+    def resume(self) -> dict[str, Any]:
+        return check_ok(self.link.call(Resume(req_id=self._req_id()), self.timeout_s))
+
+    def set_weights(self, version: int) -> dict[str, Any]:
+        """Host blocks written before are no longer served (STALE_WEIGHTS); storage names move on."""
+        return check_ok(self.link.call(SetWeights(req_id=self._req_id(), version=version), self.timeout_s))
+
+    @contextmanager
+    def weight_update(self, cache: DeviceCacheHandle, version: int | None = None) -> Iterator[WeightUpdate]:
+        """An RL weight update: pause -> detach -> (the block frees, reloads and reallocates;
+        set ``update.cache`` to the new cache, whose layout may differ) -> attach -> set the
+        weights version -> resume.
+
+        Every step is one call bounded by this client's timeout, and nothing waits on a flag:
+        a daemon that dies or stalls makes the step raise ClientError, never hang. If the
+        block (or the detach) raises, the daemon is resumed (best effort) with the cache left
+        detached, and the error propagates."""
+        update = WeightUpdate(cache, version)
+        update.paused = self.pause()
+        try:
+            update.detached = self.detach()
+            yield update
+        except BaseException:
+            with suppress(ClientError):
+                self.resume()
+            raise
+        update.attached = self.attach(update.cache)
+        if update.version is not None:
+            self.set_weights(update.version)
+        self.resume()
 
     @contextmanager
     def released(self, cache: DeviceCacheHandle) -> Iterator[None]:

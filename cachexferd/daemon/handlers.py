@@ -21,13 +21,17 @@ from ..protocol import (
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
     Attach,
+    ClearHost,
     Command,
     Detach,
     ErrorCode,
     Hello,
     Limits,
     MsgType,
+    Pause,
     ProtocolError,
+    Resume,
+    SetWeights,
     SwapIn,
     SwapOut,
 )
@@ -35,6 +39,7 @@ from . import validate
 from .device import DeviceSlot
 from .jobs import Copy, Job
 from .ordering import Access, swap_access
+from .pausing import Pausing
 from .storage_handlers import StorageHandlers
 
 if TYPE_CHECKING:
@@ -60,8 +65,9 @@ class Handlers(StorageHandlers):
         metrics: DaemonMetrics,
         status: Callable[[], dict[str, Any]],
         request_stop: Callable[[str], None],
+        pausing: Pausing,
     ) -> None:
-        super().__init__(device, host, storage, metrics)
+        super().__init__(device, host, storage, metrics, pausing)
         self.config, self.sessions = config, sessions
         self._status, self._request_stop = status, request_stop
         self.sync: dict[MsgType, SyncHandler] = {}
@@ -111,6 +117,19 @@ class Handlers(StorageHandlers):
         self._request_stop("shutdown command")
         return {"state": "draining"}
 
+    def handle_pause(self, identity: bytes, cmd: Pause) -> Awaitable[dict[str, Any]]:
+        timeout = self.config.daemon.drain_timeout_s if cmd.drain_timeout_s is None else cmd.drain_timeout_s
+        return self.pausing.pause(timeout)
+
+    def handle_resume(self, identity: bytes, cmd: Resume) -> dict[str, Any]:
+        return self.pausing.resume()
+
+    def handle_set_weights(self, identity: bytes, cmd: SetWeights) -> dict[str, Any]:
+        previous, self.host.weights_version = self.host.weights_version, cmd.version
+        if self.storage is not None:
+            self.storage.weights_version = cmd.version
+        return {"previous": previous, "version": cmd.version}
+
     # Asynchronous commands ------------------------------------------------------------
 
     def handle_swap_out(self, cmd: SwapOut) -> Job:
@@ -120,18 +139,23 @@ class Handlers(StorageHandlers):
         return self._swap_job(cmd.device_ids, cmd.host_ids, Direction.H2D)
 
     def _swap_job(self, device_ids: list[int], host_ids: list[int], direction: Direction) -> Job:
+        self.pausing.require_running()
         cache = self.device.require()
         geometry = self.host.require_geometry()
         to_host = direction is Direction.D2H
         dest = "host" if to_host else "device"
         validate.swap_pairs(device_ids, host_ids, cache.layout.num_blocks, geometry.num_blocks, dest)
+        if to_host:
+            self.host.stamp(host_ids)
+        else:
+            self.host.check_current(host_ids)
         return Job(swap_access(device_ids, host_ids, to_host), copy=Copy(cache, direction, device_ids, host_ids))
 
-    def handle_clear_host(self, cmd: Command) -> Job:
+    def handle_clear_host(self, cmd: ClearHost) -> Job:
         pool = self.host.pool
 
         async def work(cancel: CancelToken) -> dict[str, Any]:
-            await asyncio.get_running_loop().run_in_executor(None, pool.discard)
-            return {"capacity_bytes": pool.capacity}
+            freed = await asyncio.get_running_loop().run_in_executor(None, pool.discard)
+            return {"capacity_bytes": pool.capacity, "freed_bytes": freed}
 
         return Job(Access(all_host_write=True), work)

@@ -8,6 +8,8 @@ host blocks written under one layout are never read back under another.
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from typing import Any
 
 from ..host_cache import HostGeometry, HostPool
@@ -15,14 +17,40 @@ from ..protocol import ErrorCode, KVLayout, ProtocolError
 
 
 class HostCache:
+    """Also remembers, per host block, the weights version it was written under: a block is
+    stamped when the command that writes it is accepted (arrival order is the order of
+    effect), and a command that would read it under another version is refused."""
+
     def __init__(self, pool: HostPool, block_bytes: int) -> None:
         self.pool = pool
         self.geometry: HostGeometry | None = None
         self.fingerprint: str | None = None
+        self.weights_version = 0
+        self._versions = array("q")  # per host block
         if block_bytes:
             if block_bytes > pool.capacity:
                 raise ValueError(f"host_cache.block_bytes {block_bytes} exceeds capacity {pool.capacity}")
-            self.geometry = pool.geometry(block_bytes)
+            self._set_geometry(pool.geometry(block_bytes))
+
+    def _set_geometry(self, geometry: HostGeometry) -> None:
+        self.geometry = geometry
+        self._versions = array("q", [self.weights_version]) * geometry.num_blocks
+
+    def stamp(self, host_ids: Sequence[int]) -> None:
+        """These blocks are about to hold KV computed under the current weights."""
+        version, versions = self.weights_version, self._versions
+        for h in host_ids:
+            versions[h] = version
+
+    def check_current(self, host_ids: Sequence[int]) -> None:
+        """STALE_WEIGHTS unless every block was written under the current weights version."""
+        version, versions = self.weights_version, self._versions
+        for h in host_ids:
+            if versions[h] != version:
+                raise ProtocolError(
+                    ErrorCode.STALE_WEIGHTS,
+                    f"host block {h} holds KV of weights version {versions[h]}; the daemon is at {version}",
+                )
 
     def plan(self, layout: KVLayout) -> HostGeometry:
         """The geometry ``layout`` would use, checked against what the cache holds; binds nothing."""
@@ -46,7 +74,9 @@ class HostCache:
 
     def commit(self, layout: KVLayout, geometry: HostGeometry) -> None:
         """Binds the geometry and layout after a successful attach."""
-        self.geometry, self.fingerprint = geometry, layout.fingerprint()
+        if self.geometry is None:
+            self._set_geometry(geometry)
+        self.fingerprint = layout.fingerprint()
 
     def require_geometry(self) -> HostGeometry:
         if self.geometry is None:
@@ -64,4 +94,5 @@ class HostCache:
             "block_bytes": g.block_bytes if g else 0,
             "num_blocks": g.num_blocks if g else 0,
             "fingerprint": self.fingerprint,
+            "weights_version": self.weights_version,
         }

@@ -43,6 +43,7 @@ from .jobs import Jobs
 from .notify import sd_notify
 from .ordering import BlockOrdering
 from .outcomes import Outcomes
+from .pausing import Pausing
 from .sessions import EventSinks, Sessions
 from .storage_tier import open_storage
 
@@ -97,9 +98,11 @@ class Daemon:
         self.sessions = Sessions(self.sinks)
         self.outcomes = Outcomes(self.boot_id, self.rank, self.metrics, self.sessions, self.sinks, self._reply)
         self.device = DeviceSlot(self.backend, self.host, self.ordering, self.metrics, config.daemon, self.spawn)
+        self.pausing = Pausing(self.ordering)
         handlers = Handlers(
-            config, self.device, self.host, self.storage, self.sessions, self.metrics, self.status, self.request_stop
-        )
+            config, self.device, self.host, self.storage, self.sessions, self.metrics, self.status, self.request_stop,
+            self.pausing,
+        )  # fmt: skip
         self.jobs = Jobs(self.ordering, self.metrics, self._job_done)
         self.dispatcher = Dispatcher(
             handlers, self.jobs, self.outcomes, self.sessions, config.daemon.max_inflight, self._admit, self.spawn
@@ -323,6 +326,7 @@ class Daemon:
             "protocol": [PROTOCOL_MAJOR, PROTOCOL_MINOR],
             "pid": os.getpid(),
             "state": self.state.value,
+            "paused": self.pausing.paused,
             "uptime_s": round(time.time() - self.started_at, 3),
             "endpoint": self.config.endpoint,
             "metrics_url": f"http://{self.config.metrics.host}:{port}/metrics" if port else "",

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from ..metrics import DaemonMetrics
     from .device import DeviceSlot
     from .host import HostCache
+    from .pausing import Pausing
     from .storage_tier import StorageTier
 
 
@@ -35,9 +36,9 @@ class StorageHandlers:
     """The storage half of the handlers (the daemon's Handlers class extends it)."""
 
     def __init__(
-        self, device: DeviceSlot, host: HostCache, storage: StorageTier | None, metrics: DaemonMetrics
+        self, device: DeviceSlot, host: HostCache, storage: StorageTier | None, metrics: DaemonMetrics, pausing: Pausing
     ) -> None:
-        self.device, self.host, self.storage, self.metrics = device, host, storage, metrics
+        self.device, self.host, self.storage, self.metrics, self.pausing = device, host, storage, metrics, pausing
 
     def _tier(self) -> StorageTier:
         if self.storage is None:
@@ -55,7 +56,10 @@ class StorageHandlers:
     def _validate(
         self, keys: list[str], host_ids: list[int], device_ids: list[int] | None, writes_keys: bool
     ) -> tuple[int, str, DeviceCache | None]:
-        """Checks a store/load; returns (block bytes, fingerprint, device cache or None)."""
+        """Checks a store/load; returns (block bytes, fingerprint, device cache or None).
+        Host blocks that will be written are stamped with the weights version; a store of
+        host blocks alone needs them to hold KV of the current version."""
+        self.pausing.require_running()
         host_blocks, block_bytes, fingerprint = self._geometry()
         validate.same_length(keys, host_ids, ("keys", "host_ids"))
         validate.ids_in_range(host_ids, host_blocks, "host_ids")
@@ -69,6 +73,10 @@ class StorageHandlers:
             validate.unique_keys(keys)
         else:  # load: host blocks are its destinations
             validate.unique_blocks(host_ids, "host")
+        if writes_keys and device_ids is None:
+            self.host.check_current(host_ids)
+        else:
+            self.host.stamp(host_ids)
         return block_bytes, fingerprint, cache
 
     # STORE ------------------------------------------------------------------------------

@@ -118,13 +118,17 @@ class StorageTier:
         self.timeout_s = config.timeout_s
         self.checksum = Checksum[config.checksum.upper()]  # of new objects; loads verify either kind
         self.io = IOPool(config.io_threads)
+        self.weights_version = 0
         self.shard_limit = min(config.io_threads, backend.max_shards or config.io_threads)
 
     def start(self) -> None:
         self.io.submit(self.backend.start)
 
     def name_of(self, key: str) -> str:
-        return f"{self.config.namespace}/{key}" if self.config.namespace else key
+        """The object name of a key: scoped by ``storage.namespace`` and, once a weights
+        version is set (SET_WEIGHTS), by that version, so KV of other weights never matches."""
+        scoped = f"w{self.weights_version}/{key}" if self.weights_version else key
+        return f"{self.config.namespace}/{scoped}" if self.config.namespace else scoped
 
     # Commands ---------------------------------------------------------------------------
 

@@ -25,6 +25,9 @@ class MsgType(IntEnum):
     ATTACH = 4
     DETACH = 5
     SHUTDOWN = 6
+    PAUSE = 7  # protocol 1.1: refuse new copies, reply once the running ones are done
+    RESUME = 9
+    SET_WEIGHTS = 10  # protocol 1.1: the weights version host blocks and storage names are tagged with
     # An envelope carrying many commands (protocol 1.1); each keeps its own outcome.
     BATCH = 8
     # Asynchronous commands: the outcome is an EVENT on the client's event socket.
@@ -65,6 +68,8 @@ class ErrorCode(IntEnum):
     DUPLICATE_REQ_ID = 18  # req_id already in flight for this client
     INTERNAL = 19  # bug in the daemon; the detail says what
     BAD_STATE = 20  # command not valid in the daemon's current lifecycle state
+    STALE_WEIGHTS = 21  # host blocks written under another weights version
+    PAUSED = 22  # copies are refused while the daemon is paused
     # Storage tier (32..63).
     STORAGE_UNAVAILABLE = 32  # backend down or unreachable
     STORAGE_TIMEOUT = 33
@@ -74,6 +79,7 @@ class ErrorCode(IntEnum):
     CLIENT_TIMEOUT = 64
     DAEMON_RESTARTED = 65
     SEND_FAILED = 66
+    DAEMON_LOST = 67  # the connection to the daemon dropped with the command in flight
 
 
 class Limits:

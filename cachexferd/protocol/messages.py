@@ -98,6 +98,27 @@ class Shutdown(Command):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Pause(Command):
+    """Refuse new copies (PAUSED); reply once those running have finished."""
+
+    TYPE = MsgType.PAUSE
+    drain_timeout_s: float | None = _spec(f.optional(f.number(0.0, 3600.0)), None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resume(Command):
+    TYPE = MsgType.RESUME
+
+
+@dataclass(frozen=True, kw_only=True)
+class SetWeights(Command):
+    """The weights version new host blocks and storage names are tagged with."""
+
+    TYPE = MsgType.SET_WEIGHTS
+    version: int = _spec(f.integer(0, (1 << 63) - 1))
+
+
+@dataclass(frozen=True, kw_only=True)
 class SwapOut(Command):
     """Device blocks -> host blocks, pairwise."""
 
@@ -161,8 +182,9 @@ class Delete(Command):
 
 COMMANDS: dict[MsgType, type[Command]] = {
     cls.TYPE: cls
-    for cls in (Hello, Ping, Status, Attach, Detach, Shutdown, SwapOut, SwapIn, ClearHost, Store, Load, Lookup, Delete)
-}
+    for cls in (Hello, Ping, Status, Attach, Detach, Shutdown, Pause, Resume, SetWeights, SwapOut, SwapIn, ClearHost,
+                Store, Load, Lookup, Delete)
+}  # fmt: skip
 ASYNC_TYPES = frozenset(t for t, cls in COMMANDS.items() if cls.ASYNC)
 SYNC_TYPES = frozenset(t for t, cls in COMMANDS.items() if not cls.ASYNC)
 COMMAND_TYPES = frozenset(COMMANDS)
