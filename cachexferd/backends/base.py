@@ -100,6 +100,11 @@ class DeviceCache(ABC):
     def close(self) -> None:
         """Releases every import. Called only when no swap is running."""
 
+    def orphaned(self) -> None:
+        """Called after ``close`` when the runner that owned the memory died: remove what
+        only it would have removed (a shared-memory name). Default: nothing to remove."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         return {"layout": self.layout.to_wire(), "mappings": self.mappings}
 

@@ -20,6 +20,7 @@ torch's own intra-op threads are set to 1 in the daemon: the workers are the par
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import os
@@ -188,6 +189,13 @@ class CpuDeviceCache(DeviceCache):
         self.groups = []
         self._storage = None
         gc.collect()
+
+    def orphaned(self) -> None:
+        # The runner unlinks its segment when it closes its cache; one killed with SIGKILL
+        # never does, and the name would pin the memory until reboot. Both sides are gone
+        # now (we closed our mapping), so the name can go.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, self.segment))
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "segment": self.segment, "groups": len(self.groups)}

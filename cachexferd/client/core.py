@@ -123,6 +123,15 @@ class EngineCore:
                 done.append(finished)
         return done, resend
 
+    def link_lost(self, index: int) -> list[Completion]:
+        """The connection to a daemon dropped: what was in flight there will get no outcome
+        (or one nobody can trust), so it fails now; the next hello finds out who answers."""
+        rank = self.rank_of[index]
+        if self.boot_ids[index] is not None:
+            log.warning("lost the connection to rank %d", rank)
+        self.boot_ids[index] = None
+        return self.pending.fail_rank(rank, ErrorCode.DAEMON_LOST, "connection to the daemon lost; outcome unknown")
+
     def heartbeat(self, now: float | None = None) -> list[tuple[int, Command]]:
         """Pings every link each heartbeat_s; replies reveal restarts through their boot id."""
         now = time.monotonic() if now is None else now

@@ -70,6 +70,7 @@ class EngineClient(CommandMethods[int]):
         self._poller.register(self.pull, zmq.POLLIN)
         for link in self.links:
             self._poller.register(link.sock, zmq.POLLIN)
+            self._poller.register(link.monitor, zmq.POLLIN)
 
     # Set-up ---------------------------------------------------------------------------
 
@@ -94,8 +95,8 @@ class EngineClient(CommandMethods[int]):
         The outcome arrives via poll()."""
         req_id, bodies = self.core.build(op, fields, timeout_s)
         for link, body in zip(self.links, bodies):
-            if not self.autoflush:
-                link.outbox.append((op, body))
+            if not self.autoflush or self.core.boot_ids[link.index] is None:
+                link.outbox.append((op, body))  # held while that daemon is being said hello to again
                 continue
             try:
                 link.send_body(op, body)
@@ -114,8 +115,15 @@ class EngineClient(CommandMethods[int]):
             self.flush()
 
     def flush(self) -> None:
-        """Sends every queued command; a rank that cannot be reached fails them at once."""
+        """Sends every queued command; a rank that cannot be reached fails them at once.
+        Commands for a daemon that restarted wait for its new hello (with its new boot id)."""
         for link in self.links:
+            boot_id = self.core.boot_ids[link.index]
+            if boot_id is None or not link.outbox:
+                continue
+            link.outbox = [
+                (op, {**body, "boot_id": boot_id}) for op, body in link.outbox if body["req_id"] in self.core.pending
+            ]
             for _, body in link.flush():
                 self._ready += self.core.send_failed(link.index, body["req_id"], f"send to {link.endpoint} failed")
 
@@ -163,11 +171,24 @@ class EngineClient(CommandMethods[int]):
         for outcome in read_outcomes(self.pull):
             done += self._file(outcome, None)
         for link in self.links:
+            done += self._watch_connection(link)
             for reply in read_outcomes(link.sock):
                 done += self._file(reply, link.index)
+        self.flush()  # what waited for a new hello goes out now
         for index, cmd in self.core.heartbeat():
             self._send_control(index, cmd)
         done += self.core.expire()
+        return done
+
+    def _watch_connection(self, link: Link) -> list[Completion]:
+        """A dropped connection fails that rank's in-flight commands at once; when it comes
+        back, the client says hello before anything else is sent there."""
+        done: list[Completion] = []
+        for event in link.connection_events():
+            if event == zmq.EVENT_DISCONNECTED:
+                done += self.core.link_lost(link.index)
+            elif self.core.boot_ids[link.index] is None:
+                self._send_control(link.index, self.core.hello())
         return done
 
     def _file(self, outcome: Outcome, index: int | None) -> list[Completion]:

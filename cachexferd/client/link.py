@@ -71,6 +71,8 @@ class Link:
         self.rank: int | None = None
         self.info: dict[str, Any] = {}
         self.outbox: list[tuple[MsgType, dict[str, Any]]] = []  # queued for one BATCH envelope
+        # Connection events, so a daemon that dies is noticed at once, not at a timeout.
+        self.monitor: zmq.Socket[Any] = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
 
     @property
     def batches(self) -> bool:
@@ -138,7 +140,19 @@ class Link:
     def remember_hello(self, outcome: Outcome) -> None:
         self.boot_id, self.rank, self.info = outcome.boot_id, outcome.rank, outcome.result
 
+    def connection_events(self) -> list[int]:
+        """zmq.EVENT_CONNECTED / EVENT_DISCONNECTED seen since the last call, in order."""
+        events: list[int] = []
+        while True:
+            try:
+                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return events
+            events.append(int.from_bytes(frames[0][:2], "little"))
+
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(0)
         self.sock.close(0)
 
 

@@ -9,9 +9,7 @@ so the runner may free its memory the moment it has the reply.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import os
 from collections.abc import Awaitable, Callable, Coroutine
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -19,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..backends.base import AttachError, Backend, DeviceCache
 from ..host_cache import HostGeometry
 from ..protocol import ErrorCode, KVLayout, LayoutError, ProtocolError
+from .pidwatch import PidWatch
 
 if TYPE_CHECKING:
     from ..config import DaemonConfig
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
 
 log = logging.getLogger(__name__)
-_PID_POLL_S = 1.0  # fallback when pidfd_open is unavailable (foreign pid namespace)
 
 
 class DeviceState(StrEnum):
@@ -54,8 +52,8 @@ class DeviceSlot:
         self.state = DeviceState.DETACHED
         self.cache: DeviceCache | None = None
         self.runner_pid: int | None = None
-        self._pidfd: int | None = None
-        self._pid_poll: asyncio.Task[None] | None = None
+        self._pid_watch: PidWatch | None = None
+        self._owner_gone = False  # the attached runner died: remove what only it would have
         self._detach_done: asyncio.Future[dict[str, Any]] | None = None
 
     def require(self) -> DeviceCache:
@@ -151,6 +149,9 @@ class DeviceSlot:
         cache, self.cache = self.cache, None
         if cache is not None:  # closing may sync streams or collect garbage: off the loop
             await asyncio.get_running_loop().run_in_executor(None, cache.close)
+            if self._owner_gone:
+                cache.orphaned()
+        self._owner_gone = False
         # A copy cancelled mid-way may still have finished: count outcomes, not requests.
         cancelled = sum(1 for e in entries if e.code == ErrorCode.DETACHED)
         log.info("detached: drained %d, cancelled %d", len(entries) - cancelled, cancelled)
@@ -164,37 +165,13 @@ class DeviceSlot:
     # Runner liveness: a runner that dies while attached must not keep its memory mapped.
     def _watch(self, pid: int | None) -> None:
         self.runner_pid = pid
-        if pid is None or not self.config.watch_runner_pid:
-            return
-        loop = asyncio.get_running_loop()
-        try:
-            self._pidfd = os.pidfd_open(pid)
-            loop.add_reader(self._pidfd, self._on_runner_exit)
-        except OSError as exc:
-            if exc.errno == errno.ESRCH:
-                self._on_runner_exit()
-                return
-            self._pid_poll = loop.create_task(self._poll_pid(pid))
-
-    async def _poll_pid(self, pid: int) -> None:
-        while True:
-            await asyncio.sleep(_PID_POLL_S)
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                self._on_runner_exit()
-                return
-            except PermissionError:
-                pass  # alive, owned by someone else
+        if pid is not None and self.config.watch_runner_pid:
+            self._pid_watch = PidWatch(pid, self._on_runner_exit)
 
     def _unwatch(self) -> None:
-        if self._pidfd is not None:
-            asyncio.get_running_loop().remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
-        if self._pid_poll is not None and self._pid_poll is not asyncio.current_task():
-            self._pid_poll.cancel()
-        self._pid_poll = None
+        if self._pid_watch is not None:
+            self._pid_watch.stop()
+            self._pid_watch = None
 
     def _on_runner_exit(self) -> None:
         pid = self.runner_pid
@@ -203,6 +180,7 @@ class DeviceSlot:
             return
         log.warning("attached runner pid %s exited; detaching", pid)
         self.metrics.auto_detaches.inc()
+        self._owner_gone = True
         self._spawn(_awaited(self.detach(f"runner pid {pid} exited", self.config.drain_timeout_s)))
 
     def describe(self) -> dict[str, Any]:

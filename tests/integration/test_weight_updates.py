@@ -29,7 +29,9 @@ def _codes(engine: EngineClient, *req_ids: int) -> list[str]:
     return [done[r].outcomes[min(done[r].outcomes)].error for r in req_ids]
 
 
-def test_pause_refuses_copies_until_resume(inproc: InProcessDaemon, engine: EngineClient, shm_cache: ShmKVCache) -> None:
+def test_pause_refuses_copies_until_resume(
+    inproc: InProcessDaemon, engine: EngineClient, shm_cache: ShmKVCache
+) -> None:
     with RunnerClient(inproc.endpoint) as runner, runner.attached(shm_cache):
         running = engine.swap_out(list(range(40)), list(range(40)))
         engine.status()  # a reply on the same socket: the swap has been read before the pause
