@@ -37,7 +37,7 @@ from .pending import Completion
 
 def default_events_endpoint() -> tuple[str, Path]:
     """An ipc endpoint in a private temp dir (removed on close)."""
-    directory = Path(tempfile.mkdtemp(prefix="cachexferd-engine-"))
+    directory = Path(tempfile.mkdtemp(prefix="cachexferd-engine-"))  # the daemon knows this prefix
     return f"ipc://{directory / 'events.sock'}", directory
 
 

@@ -176,6 +176,7 @@ class Daemon:
         if self._spawned:
             await asyncio.wait(set(self._spawned), timeout=drain)
         await self.device.detach("daemon shutting down", 0.0)
+        self.sessions.close()
         await self._close_sockets()
         self.metrics.stop()
         self.backend.close()
@@ -335,6 +336,7 @@ class Daemon:
             "device": self.device.describe(),
             "commands": {"queued": queued, "running": running, "held": self.dispatcher.held},
             "clients": len(self.sessions),
+            "clients_reclaimed": self.sessions.reclaimed,
             "storage": self.storage.describe() if self.storage is not None else {"backend": "none"},
         }
 

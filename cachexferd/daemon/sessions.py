@@ -7,18 +7,23 @@ DEALERs). Sends never block the loop: a full queue drops the event and counts it
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
 from ..protocol import ErrorCode, ProtocolError
+from .pidwatch import PidWatch
 
 log = logging.getLogger(__name__)
 
 MAX_SESSIONS = 256
+ENGINE_EVENTS_PREFIX = "cachexferd-engine-"  # the engine client's private event-socket directories
 _EVENT_ENDPOINT = re.compile(r"^(ipc://.+|tcp://(127\.\d+\.\d+\.\d+|localhost|\[::1\]):\d+)$")
 _EVENT_HWM = 100_000
 _EVENT_LINGER_MS = 2000  # flush window at shutdown
@@ -80,9 +85,15 @@ class EventSinks:
 
 
 class Sessions:
+    """Engines that say hello with their pid are watched: when that process exits, its
+    sessions are forgotten, its event socket closed, and the private directory the Python
+    client made for its event socket removed (a killed engine never removes it)."""
+
     def __init__(self, sinks: EventSinks) -> None:
         self.sinks = sinks
         self._by_identity: OrderedDict[bytes, Session] = OrderedDict()
+        self._watches: dict[int, PidWatch] = {}
+        self.reclaimed = 0  # sessions of engines that exited
 
     def get(self, identity: bytes) -> Session | None:
         return self._by_identity.get(identity)
@@ -97,7 +108,25 @@ class Sessions:
         session.batch_events = batch_events
         self._by_identity[identity] = session
         self._evict()
+        if pid is not None and role == "engine" and pid not in self._watches and pid != os.getpid():
+            self._watches[pid] = PidWatch(pid, lambda: self._engine_exited(pid))
         return session
+
+    def _engine_exited(self, pid: int) -> None:
+        self._watches.pop(pid, None)
+        gone = [s for s in self._by_identity.values() if s.pid == pid]
+        for session in gone:
+            del self._by_identity[session.identity]
+        self.sinks.retain_only({s.events for s in self._by_identity.values() if s.events})
+        for endpoint in {s.events for s in gone if s.events}:
+            _remove_private_events_dir(endpoint)
+        self.reclaimed += len(gone)
+        log.info("engine pid %d exited: %d session(s) reclaimed", pid, len(gone))
+
+    def close(self) -> None:
+        for watch in self._watches.values():
+            watch.stop()
+        self._watches.clear()
 
     def _evict(self) -> None:
         """Forgets the oldest idle sessions beyond MAX_SESSIONS (clients that reconnected)."""
@@ -110,3 +139,16 @@ class Sessions:
 
     def __len__(self) -> int:
         return len(self._by_identity)
+
+
+def _remove_private_events_dir(endpoint: str) -> None:
+    """Removes ``<tmp>/cachexferd-engine-*/events.sock`` and its directory, the layout the
+    Python engine client uses for its default event socket; anything else is left alone."""
+    if not endpoint.startswith("ipc://"):
+        return
+    path = Path(endpoint[len("ipc://") :])
+    if not path.parent.name.startswith(ENGINE_EVENTS_PREFIX) or path.name != "events.sock":
+        return
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
+        path.parent.rmdir()  # only if empty

@@ -209,3 +209,34 @@ def _rss_bytes(pid: int) -> int:
 
 
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+ENGINE = textwrap.dedent(
+    """
+    import sys, time
+    from cachexferd.client import EngineClient
+    engine = EngineClient([sys.argv[1]])
+    engine.connect()
+    print(engine.core.events, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_engine_death_reclaims_its_session_and_files(spawn_daemon: Spawn) -> None:
+    daemon = spawn_daemon()
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE, daemon.endpoint], stdout=subprocess.PIPE)
+    try:
+        assert engine.stdout is not None
+        events = engine.stdout.readline().decode().strip()
+        assert events.startswith("ipc://"), "engine did not connect"
+        events_dir = Path(events[len("ipc://") :]).parent
+        assert events_dir.exists() and daemon.status()["clients"] >= 1
+        engine.kill()
+        _wait_for(lambda: daemon.status()["clients_reclaimed"] == 1, 10, "session reclaimed")
+        _wait_for(lambda: not events_dir.exists(), 10, "events directory removed")
+        with EngineClient([daemon.endpoint]) as other:  # a new engine takes over
+            assert other.connect()[0]["rank"] == 0
+    finally:
+        engine.kill()
+        engine.wait(10)
