@@ -44,7 +44,7 @@ SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 _FOREACH_BATCH = 512  # single-block copies per _foreach_copy_ call (bounds cancel latency)
 _MIN_SHARD_BYTES = 2 << 20  # below this, handing work to another thread costs more than it saves
-_INLINE_BYTES = 256 << 10  # a batch this small is copied on the loop thread (tens of microseconds)
+_INLINE_BYTES = 1 << 20  # a batch this small is copied on the loop thread (tens of microseconds)
 
 
 @dataclass(frozen=True)
