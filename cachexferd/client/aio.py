@@ -58,6 +58,10 @@ class AsyncEngineClient(CommandMethods[asyncio.Future[Completion]]):
         self._sync: dict[int, zmq.Socket[bytes]] = {
             id(s): zmq.Socket.shadow(s.underlying) for s in (self.pull, *self.dealers)
         }
+        # Connection events: a daemon that dies fails its in-flight commands at once.
+        self.monitors = [s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED) for s in self.dealers]
+        self._monitor_reads: list[zmq.Socket[bytes]] = [zmq.Socket.shadow(m.underlying) for m in self.monitors]
+        self._held: list[list[tuple[MsgType, dict[str, Any]]]] = [[] for _ in self.dealers]  # until a re-hello
         self.core = EngineCore(len(endpoints), name, events, timeout_s, heartbeat_s)
         self._futures: dict[int, asyncio.Future[Completion]] = {}
         self._calls: dict[int, asyncio.Future[Outcome]] = {}
@@ -77,11 +81,40 @@ class AsyncEngineClient(CommandMethods[asyncio.Future[Completion]]):
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         self._futures[req_id] = future
         for index, body in enumerate(bodies):
-            try:
-                self._sync[id(self.dealers[index])].send_multipart(encode_body(op, body), flags=zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                self._resolve(self.core.send_failed(index, req_id, str(exc)))
+            if self.core.boot_ids[index] is None:
+                self._held[index].append((op, body))  # that daemon is being said hello to again
+            else:
+                self._send(index, op, body)
         return future
+
+    def _send(self, index: int, op: MsgType, body: dict[str, Any]) -> None:
+        try:
+            self._sync[id(self.dealers[index])].send_multipart(encode_body(op, body), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._resolve(self.core.send_failed(index, body["req_id"], str(exc)))
+
+    def _release_held(self) -> None:
+        """Sends what waited for a new hello, stamped with the new boot id."""
+        for index, held in enumerate(self._held):
+            boot_id = self.core.boot_ids[index]
+            if boot_id is None or not held:
+                continue
+            self._held[index] = []
+            for op, body in held:
+                if body["req_id"] in self.core.pending:
+                    self._send(index, op, {**body, "boot_id": boot_id})
+
+    def _watch_connections(self) -> None:
+        for index, monitor in enumerate(self._monitor_reads):
+            while True:
+                try:
+                    event = int.from_bytes(monitor.recv_multipart(zmq.NOBLOCK)[0][:2], "little")
+                except zmq.Again:
+                    break
+                if event == zmq.EVENT_DISCONNECTED:
+                    self._resolve(self.core.link_lost(index))
+                elif self.core.boot_ids[index] is None:
+                    self._send_control(index, self.core.hello())
 
     async def status(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
         return [
@@ -115,13 +148,15 @@ class AsyncEngineClient(CommandMethods[asyncio.Future[Completion]]):
     async def _run_pump(self) -> None:
         poller = zmq.asyncio.Poller()
         poller.register(self.pull, zmq.POLLIN)
-        for sock in self.dealers:
+        for sock in (*self.dealers, *self.monitors):
             poller.register(sock, zmq.POLLIN)
         while True:
             await poller.poll(int(_PUMP_TICK_S * 1000))
+            self._watch_connections()
             self._drain_socket(self.pull, None)
             for index, sock in enumerate(self.dealers):
                 self._drain_socket(sock, index)
+            self._release_held()
             for index, cmd in self.core.heartbeat(time.monotonic()):
                 self._send_control(index, cmd)
             self._resolve(self.core.expire())
@@ -152,6 +187,9 @@ class AsyncEngineClient(CommandMethods[asyncio.Future[Completion]]):
         if self._pump is not None:
             self._pump.cancel()
             await asyncio.gather(self._pump, return_exceptions=True)
+        for dealer, monitor in zip(self.dealers, self.monitors):
+            dealer.disable_monitor()
+            monitor.close(0)
         for sock in (*self.dealers, self.pull):
             sock.close(0)
         self.ctx.term()

@@ -240,3 +240,31 @@ def test_engine_death_reclaims_its_session_and_files(spawn_daemon: Spawn) -> Non
     finally:
         engine.kill()
         engine.wait(10)
+
+
+def test_async_client_fails_fast_and_recovers_after_a_restart(spawn_daemon: Spawn) -> None:
+    import asyncio
+
+    from cachexferd.client import AsyncEngineClient
+
+    daemon = spawn_daemon()
+    cache = ShmKVCache(SMALL)
+
+    async def scenario() -> None:
+        async with AsyncEngineClient([daemon.endpoint], timeout_s=30, heartbeat_s=0.2) as engine:
+            await engine.connect()
+            daemon.kill()
+            killed = time.monotonic()
+            lost = await asyncio.wait_for(engine.swap_out([1], [1]), 10)
+            assert lost.errors[0][0] in ("DAEMON_LOST", "SEND_FAILED"), lost.describe()
+            assert time.monotonic() - killed < 2.0
+            daemon.start()
+            with RunnerClient(daemon.endpoint) as runner:
+                runner.attach(cache)
+                again = await asyncio.wait_for(engine.swap_out([1], [1]), 20)
+                assert again.ok, again.describe()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        cache.close()
