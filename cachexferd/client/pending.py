@@ -7,6 +7,7 @@ restarted (new boot id), is recorded as a client-side error for that rank.
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,9 +59,13 @@ class _Pending:
 
 
 class PendingTable:
+    """Deadlines sit in a heap, so ``expire`` (called at every step) costs nothing until the
+    earliest one has passed, however many commands are pending."""
+
     def __init__(self, ranks: list[int]) -> None:
         self.ranks = ranks
         self._pending: dict[int, _Pending] = {}
+        self._deadlines: list[tuple[float, int]] = []  # (deadline, req_id); finished ones are skipped
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -72,6 +77,7 @@ class PendingTable:
         now = time.monotonic()
         completion = Completion(req_id, op, submitted=now)
         self._pending[req_id] = _Pending(completion, now + timeout_s, set(self.ranks if ranks is None else ranks))
+        heapq.heappush(self._deadlines, (now + timeout_s, req_id))
 
     def record(self, outcome: Outcome) -> Completion | None:
         """Files one rank's outcome; returns the Completion when it was the last one."""
@@ -95,17 +101,22 @@ class PendingTable:
     def expire(self, now: float | None = None) -> list[Completion]:
         now = time.monotonic() if now is None else now
         done = []
-        for req_id, entry in list(self._pending.items()):
-            if now >= entry.deadline:
-                for rank in list(entry.waiting):
-                    self._fail(entry, rank, ErrorCode.CLIENT_TIMEOUT, "no outcome before the client's deadline")
-                finished = self._finish_if_done(req_id, entry)
-                if finished is not None:
-                    done.append(finished)
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, req_id = heapq.heappop(self._deadlines)
+            entry = self._pending.get(req_id)
+            if entry is None or entry.deadline > now:
+                continue  # finished already
+            for rank in list(entry.waiting):
+                self._fail(entry, rank, ErrorCode.CLIENT_TIMEOUT, "no outcome before the client's deadline")
+            finished = self._finish_if_done(req_id, entry)
+            if finished is not None:
+                done.append(finished)
         return done
 
     def next_deadline(self) -> float | None:
-        return min((e.deadline for e in self._pending.values()), default=None)
+        while self._deadlines and self._deadlines[0][1] not in self._pending:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
 
     @staticmethod
     def _fail(entry: _Pending, rank: int, code: ErrorCode, detail: str, boot_id: str = "") -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from cachexferd.client.core import EngineCore
 from cachexferd.client.pending import PendingTable
 from cachexferd.protocol import ErrorCode, MsgType, Outcome
@@ -78,3 +80,17 @@ def test_heartbeat_pings_each_link_per_interval() -> None:
     assert core.heartbeat(now=core._last_beat + 0.1) == []
     beats = core.heartbeat(now=core._last_beat + 2)
     assert [(i, c.TYPE) for i, c in beats] == [(0, MsgType.PING), (1, MsgType.PING)]
+
+
+def test_expire_costs_nothing_before_the_first_deadline_and_skips_finished() -> None:
+    table = PendingTable([0])
+    for req_id in range(1, 10_001):
+        table.add(req_id, MsgType.SWAP_OUT, 1000)
+    table.add(20_000, MsgType.SWAP_OUT, 0.0)  # already due
+    table.add(20_001, MsgType.SWAP_OUT, 0.0)
+    table.record(_ok(20_001, 0))  # finished before its deadline
+    expired = table.expire()
+    assert [c.req_id for c in expired] == [20_000] and expired[0].errors[0][0] == "CLIENT_TIMEOUT"
+    assert len(table) == 10_000 and table.expire() == []
+    deadline = table.next_deadline()
+    assert deadline is not None and deadline > time.monotonic() + 900
