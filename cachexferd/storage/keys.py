@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -85,10 +86,14 @@ def _extra_bytes(extra: Sequence[ExtraKey]) -> bytes:
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as signed 64-bit little-endian integers, whatever the machine's byte order."""
     try:
-        return array("q", tokens).tobytes()
+        ids = array("q", tokens)
     except (TypeError, OverflowError) as exc:
         raise TypeError(f"token ids must be ints in the int64 range: {exc}") from None
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids.tobytes()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,94 @@
+"""Small things several conformance tests need, all derived from the docs."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from .daemons import REPO
+from .spec import T
+from .wire import Client
+
+
+def fingerprint(layout: dict[str, Any]) -> str:
+    """docs/protocol.md §8.1."""
+    text = "{}:{}:{}:{}:{}:{}".format(
+        layout["dtype"],
+        layout["num_layers"],
+        layout.get("kv_tensors", 2),
+        layout["block_size"],
+        layout["num_kv_heads"],
+        layout["head_dim"],
+    )
+    return hashlib.blake2s(text.encode("ascii"), digest_size=8).hexdigest()
+
+
+@cache
+def vectors() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((REPO / "docs" / "vectors.json").read_text(encoding="utf-8"))
+    return data
+
+
+def chain(name: str) -> dict[str, Any]:
+    return next(c for c in vectors()["chains"] if c["name"] == name)
+
+
+def object_file(store: Path, name: str) -> Path:
+    """Where the file backend keeps object ``name`` (docs/storage.md §4.1)."""
+    digest = hashlib.blake2b(name.encode("utf-8"), digest_size=16).hexdigest()
+    return store / digest[:2] / digest[2:4] / digest
+
+
+def ensure_detached(client: Client, timeout_s: float = 10.0) -> None:
+    """Cleanup after a test that may have failed half way: DETACH until the daemon says it is
+    detached (a DETACH during an attach may be refused with BAD_STATE)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply = client.call(T.DETACH)
+        if reply.ok and reply.result.get("state") == "detached":
+            return
+        assert time.monotonic() < deadline, f"cannot detach: {reply}"
+        time.sleep(0.05)
+
+
+def burst(client: Client, commands: Sequence[tuple[int, Mapping[str, Any]]]) -> list[int]:
+    """Sends every command before reading anything (one pipelined burst); returns req_ids."""
+    return [client.command(msg_type, **fields) for msg_type, fields in commands]
+
+
+@contextmanager
+def hung_object(store: Path, name: str) -> Iterator[Path]:
+    """Makes object ``name`` a FIFO: the file backend's read of it blocks until released.
+    On exit a writer opens and closes it (the read sees end-of-file) and it is removed."""
+    path = object_file(store, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+    try:
+        yield path
+    finally:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            os.close(fd)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # ENXIO: nobody is blocked reading it
+                raise
+        path.unlink()
+
+
+@contextmanager
+def held_in_flight(client: Client, store: Path, req_id: int, host_block: int = 16000) -> Iterator[None]:
+    """Sends a host-only LOAD with ``req_id`` whose object read hangs (a FIFO), so the command
+    stays in flight for the body of the ``with``; on exit the read is released and the LOAD
+    finishes. ``store`` is the daemon's storage directory."""
+    name = f"held-{req_id}-{client.boot_id}"
+    with hung_object(store, name):
+        client.command(T.LOAD, req_id=req_id, keys=[name], host_ids=[host_block])
+        yield
