@@ -52,7 +52,9 @@ def unpack(data: bytes) -> dict[str, Any]:
         )
     except ValueError as exc:
         if "exceeds max" in str(exc):
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"body holds a container over the limits: {exc}") from None
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE, f"body holds a container over the limits: {exc}", peek_req_id(data)
+            ) from None
         raise ProtocolError(ErrorCode.BAD_FRAME, f"body is not valid msgpack: {exc}") from None
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(ErrorCode.BAD_FRAME, f"body is not valid msgpack: {type(exc).__name__}") from None

@@ -11,7 +11,7 @@ from enum import IntEnum
 
 MAGIC = b"CX"
 MAJOR = 1
-MINOR = 0
+MINOR = 1
 
 
 class T(IntEnum):
@@ -23,6 +23,10 @@ class T(IntEnum):
     ATTACH = 4
     DETACH = 5
     SHUTDOWN = 6
+    PAUSE = 7
+    BATCH = 8
+    RESUME = 9
+    SET_WEIGHTS = 10
     SWAP_OUT = 16
     SWAP_IN = 17
     CLEAR_HOST = 18
@@ -32,9 +36,10 @@ class T(IntEnum):
     DELETE = 35
     REPLY = 128
     EVENT = 129
+    EVENT_BATCH = 130
 
 
-SYNC = frozenset({T.HELLO, T.PING, T.STATUS, T.ATTACH, T.DETACH, T.SHUTDOWN})
+SYNC = frozenset({T.HELLO, T.PING, T.STATUS, T.ATTACH, T.DETACH, T.SHUTDOWN, T.PAUSE, T.RESUME, T.SET_WEIGHTS})
 ASYNC = frozenset({T.SWAP_OUT, T.SWAP_IN, T.CLEAR_HOST, T.STORE, T.LOAD, T.LOOKUP, T.DELETE})
 
 
@@ -62,6 +67,8 @@ class E(IntEnum):
     DUPLICATE_REQ_ID = 18
     INTERNAL = 19
     BAD_STATE = 20
+    STALE_WEIGHTS = 21
+    PAUSED = 22
     STORAGE_UNAVAILABLE = 32
     STORAGE_TIMEOUT = 33
     STORAGE_ERROR = 34
@@ -82,6 +89,7 @@ MAX_STRING = 4096
 MAX_MAP = 64
 MAX_BLOCK_ID = 2**31 - 1
 MAX_REQ_ID = 2**64 - 1
+MAX_BATCH = 4096  # §14
 MIN_HOST_CAPACITY = 1024 * 1024
 
 # §8.1 element sizes

@@ -288,6 +288,31 @@ def bad_state(ctx: Ctx) -> list[Outcome]:
         runner.wait(10)
 
 
+def stale_weights(ctx: Ctx) -> list[Outcome]:
+    """A host block written under version 0 is refused once the weights version moves on."""
+    client = ctx.attached()
+    assert client.call(T.SWAP_OUT, device_ids=[1], host_ids=[9]).ok
+    assert client.call(T.SET_WEIGHTS, version=3).result == {"previous": 0, "version": 3}
+    return [
+        client.call(T.SWAP_IN, device_ids=[2], host_ids=[9]),
+        client.call(T.STORE, keys=["stale"], host_ids=[9]),
+    ]
+
+
+def paused(ctx: Ctx) -> list[Outcome]:
+    client = ctx.attached()
+    assert client.call(T.PAUSE).result["paused"] is True
+    refused = [
+        client.call(T.SWAP_OUT, device_ids=[1], host_ids=[1]),
+        client.call(T.SWAP_IN, device_ids=[1], host_ids=[1]),
+        client.call(T.STORE, keys=["p"], host_ids=[1]),
+        client.call(T.LOAD, keys=["p"], host_ids=[1]),
+    ]
+    assert client.call(T.RESUME).result == {"paused": False, "was_paused": True}
+    assert client.call(T.SWAP_OUT, device_ids=[1], host_ids=[1]).ok
+    return refused
+
+
 def storage_unavailable(ctx: Ctx) -> list[Outcome]:
     client = ctx.client()
     return [client.call(T.LOOKUP, keys=["k"]), client.call(T.DELETE, keys=["k"])]
@@ -358,6 +383,8 @@ CASES = [
     Case(E.BUSY, "main", busy),
     Case(E.DUPLICATE_REQ_ID, "main", duplicate_req_id),
     Case(E.BAD_STATE, "main", bad_state),
+    Case(E.STALE_WEIGHTS, "fresh_daemon", stale_weights),
+    Case(E.PAUSED, "fresh_daemon", paused),
     Case(E.STORAGE_UNAVAILABLE, "pristine", storage_unavailable),
     Case(E.STORAGE_TIMEOUT, "main", storage_timeout),
     Case(E.STORAGE_ERROR, "main", storage_error),

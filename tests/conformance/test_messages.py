@@ -13,7 +13,7 @@ from .conftest import Attached, CacheFactory, ClientFactory
 from .daemons import DaemonProc
 from .helpers import fingerprint
 from .shm import LAYOUT, geometry
-from .spec import MAX_BODY, MAX_IDS, MAX_KEYS, E, T
+from .spec import MAX_BATCH, MAX_BODY, MAX_IDS, MAX_KEYS, E, T
 
 pytestmark = pytest.mark.conformance
 
@@ -35,7 +35,7 @@ def test_hello_reply(main: DaemonProc, connect: ClientFactory) -> None:
     reply = client.hello(pid=4242)
     assert reply.channel == "reply" and reply.body["op"] == T.HELLO and reply.body["rank"] == 0
     result = reply.result
-    assert result["protocol"] == [1, 0]
+    assert result["protocol"] == [1, 1]
     assert kinds(result) == {
         "protocol": ["int", "int"],
         "version": "str",
@@ -44,12 +44,15 @@ def test_hello_reply(main: DaemonProc, connect: ClientFactory) -> None:
         "state": "str",
         "host_blocks": "int",
         "host_block_bytes": "int",
-        "limits": {"max_ids": "int", "max_keys": "int", "max_body_bytes": "int"},
+        "limits": {"max_ids": "int", "max_keys": "int", "max_body_bytes": "int", "max_batch": "int"},
+        "batch": "bool",
         "pid": "int",
     }
     assert result["backend"] == "cpu" and result["rank"] == 0
     assert result["state"] in ("detached", "attaching", "attached", "detaching")
-    assert result["limits"] == {"max_ids": MAX_IDS, "max_keys": MAX_KEYS, "max_body_bytes": MAX_BODY}
+    assert result["limits"] == {"max_ids": MAX_IDS, "max_keys": MAX_KEYS, "max_body_bytes": MAX_BODY,
+                                "max_batch": MAX_BATCH}  # fmt: skip
+    assert result["batch"] is True
     assert result["pid"] == main.proc.pid
 
 

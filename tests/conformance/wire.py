@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from .spec import MAGIC, MAJOR, MINOR, E, T
+from .spec import CLIENT_ONLY, MAGIC, MAJOR, MINOR, E, T
 
 DEFAULT_TIMEOUT_S = 15.0  # a loaded 2-core machine can be slow; no wait is unbounded
 _BOOT_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -101,7 +101,7 @@ def check_outcome(channel: str, frames: list[bytes]) -> Outcome:
     assert all(type(k) is str for k in body), body
     assert 0 <= body["req_id"] <= 2**64 - 1
     assert _BOOT_ID.match(body["boot_id"]), f"boot_id {body['boot_id']!r} is not 32 hex chars"
-    assert body["code"] in {int(e) for e in E} - {E.CLIENT_TIMEOUT, E.DAEMON_RESTARTED}, body
+    assert body["code"] in {int(e) for e in E} - CLIENT_ONLY, body
     assert body["error"] == E(body["code"]).name, body
     if body["code"] == E.OK:
         assert body["detail"] == "", body
@@ -109,6 +109,21 @@ def check_outcome(channel: str, frames: list[bytes]) -> Outcome:
         assert body["detail"], f"an error outcome needs a detail: {body}"
         assert body["result"] == {}, f"an error outcome has an empty result: {body}"
     return Outcome(channel, list(frames), body)
+
+
+def check_event_batch(frames: list[bytes]) -> list[Outcome]:
+    """An EVENT_BATCH (§14.2) as the EVENT outcomes it stands for, each checked like one."""
+    assert len(frames) == 2 and frames[0] == header(T.EVENT_BATCH), frames[0]
+    body = msgpack.unpackb(frames[1], raw=False)
+    assert set(body) == {"boot_id", "rank", "events"} and type(body["events"]) is list, body
+    out = []
+    for entry in body["events"]:
+        assert type(entry) is list and len(entry) == 5, entry
+        req_id, op, code, detail, result = entry
+        one = {"req_id": req_id, "boot_id": body["boot_id"], "rank": body["rank"], "op": op, "code": code,
+               "error": E(code).name, "detail": detail, "result": result}  # fmt: skip
+        out.append(check_outcome("event", [header(T.EVENT), pack(one)]))
+    return out
 
 
 class Client:
@@ -169,7 +184,10 @@ class Client:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self.inbox.append(check_outcome(channel, frames))
+                if channel == "event" and frames[0] == header(T.EVENT_BATCH):
+                    self.inbox += check_event_batch(frames)
+                else:
+                    self.inbox.append(check_outcome(channel, frames))
                 got = True
         return got
 
