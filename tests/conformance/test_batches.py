@@ -1,5 +1,5 @@
 """Protocol 1.1 on the wire: BATCH envelopes, EVENT_BATCH delivery (§14), and PAUSE, RESUME
-and SET_WEIGHTS (§7.10–7.12)."""
+and SET_WEIGHTS (§7.10 to §7.12)."""
 
 from __future__ import annotations
 
