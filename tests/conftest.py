@@ -4,12 +4,17 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import pytest
 
-from cachexferd.client.runner import ShmKVCache
-from cachexferd.launch import DaemonProcess
+# Imported inside the fixtures: the conformance suite (tests/conformance) uses none of them
+# and should not pay for torch's import.
+if TYPE_CHECKING:
+    from cachexferd.client.runner import ShmKVCache
+    from cachexferd.launch import DaemonProcess
 
-from .helpers import SMALL, InProcessDaemon, config_for
+    from .helpers import InProcessDaemon
 
 
 @pytest.fixture
@@ -21,6 +26,8 @@ def short_tmp() -> Iterator[Path]:
 
 @pytest.fixture
 def inproc(short_tmp: Path) -> Iterator[InProcessDaemon]:
+    from .helpers import InProcessDaemon, config_for
+
     daemon = InProcessDaemon(config_for(short_tmp / "rt")).start()
     yield daemon
     daemon.stop()
@@ -28,6 +35,10 @@ def inproc(short_tmp: Path) -> Iterator[InProcessDaemon]:
 
 @pytest.fixture
 def shm_cache() -> Iterator[ShmKVCache]:
+    from cachexferd.client.runner import ShmKVCache
+
+    from .helpers import SMALL
+
     cache = ShmKVCache(SMALL)
     yield cache
     cache.close()
@@ -36,6 +47,8 @@ def shm_cache() -> Iterator[ShmKVCache]:
 @pytest.fixture
 def spawn_daemon(short_tmp: Path) -> Iterator[object]:
     """Factory: spawn_daemon(rank=0, **settings) -> started DaemonProcess (stopped at teardown)."""
+    from cachexferd.launch import DaemonProcess
+
     started: list[DaemonProcess] = []
 
     def spawn(rank: int = 0, settings: dict[str, object] | None = None, start: bool = True) -> DaemonProcess:
@@ -52,6 +65,8 @@ def spawn_daemon(short_tmp: Path) -> Iterator[object]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any("cuda" in item.keywords for item in items):
+        return
     import torch
 
     if torch.cuda.is_available():
