@@ -1,16 +1,31 @@
-"""The ``cachexferd`` command: serve | status | demo | bench."""
+"""The ``cachexferd`` command: serve | status | demo | bench.
+
+Exit statuses of ``serve`` (docs/operations.md): 0 stopped cleanly, 1 failed (a bug or a
+crash: the log says what), 2 refused to start because of the configuration or this machine
+(one line on stderr names the setting and the fix; the systemd unit does not restart on 2),
+130 a second SIGINT cut the drain short.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
 import sys
-from typing import Any
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from .config import ConfigError, describe, load_config
+from . import __version__
+from .config import Config, ConfigError, describe, load_config
+from .preflight import EXIT_CONFIG, port_error
 
+if TYPE_CHECKING:
+    from .daemon.server import Daemon
+
+EXIT_FAILURE = 1
 _SERVE_FLAGS = {
     "rank": "daemon.rank",
     "backend": "daemon.backend",
@@ -35,7 +50,9 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--storage", help="storage.backend: none, file, mooncake, redis")
     p.add_argument("--storage-path", help="storage.path for the file backend")
     p.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", help="any setting; repeatable")
-    p.add_argument("--check-config", action="store_true", help="print the effective config and exit")
+    p.add_argument(
+        "--check-config", action="store_true", help="check the config against this machine, print it and exit"
+    )
     p.add_argument("--list-settings", action="store_true", help="list every setting with its default and exit")
 
 
@@ -49,15 +66,56 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _setup_logging(level: str, rank: int) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format=f"%(asctime)s cachexferd[{rank}] %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+# Logging -----------------------------------------------------------------------------------
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line (daemon.log_format = "json"), for log shippers."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "rank": self.rank,
+            "pid": record.process,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def _setup_logging(config: Config) -> None:
+    rank = config.daemon.rank
+    handler = logging.StreamHandler(sys.stderr)
+    if config.daemon.log_format == "json":
+        handler.setFormatter(JsonFormatter(rank))
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s cachexferd[{rank}] %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, config.daemon.log_level.upper()), handlers=[handler])
+
+
+def _refuse(message: str, config: Config | None = None, code: int = EXIT_CONFIG) -> int:
+    """A start-up refusal: exactly one line on stderr (JSON in the JSON log format)."""
+    if config is not None and config.daemon.log_format == "json":
+        line = json.dumps({"level": "error", "rank": config.daemon.rank, "msg": message, "exit": code})
+    else:
+        line = f"cachexferd: {message}"
+    print(line, file=sys.stderr, flush=True)
+    return code
+
+
+# serve -------------------------------------------------------------------------------------
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from . import preflight
+
     if args.list_settings:
         for key, default, doc in describe():
             print(f"{key:28} {default!r:24} {doc}")
@@ -65,30 +123,112 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, _overrides(args))
     except ConfigError as exc:
-        print(f"cachexferd: invalid configuration: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(f"invalid configuration: {exc}")
+    try:
+        warnings = preflight.check(config, running_ok=args.check_config)
+    except ConfigError as exc:
+        return _refuse(str(exc), config)
     if args.check_config:
         print(json.dumps(config.to_dict(), indent=2, sort_keys=True))
+        for warning in warnings:
+            print(f"cachexferd: warning: {warning}", file=sys.stderr)
         return 0
-    _setup_logging(config.daemon.log_level, config.daemon.rank)
-    from .daemon.server import Daemon, DaemonError
-
+    _setup_logging(config)
     log = logging.getLogger("cachexferd")
+    for warning in warnings:
+        log.warning("%s", warning)
     log.info("effective config: %s", json.dumps(config.to_dict(), sort_keys=True))
+    return _run_daemon(config, log)
+
+
+def _run_daemon(config: Config, log: logging.Logger) -> int:
+    import uvloop
+
+    from .daemon.server import Daemon
+
+    made: list[Daemon] = []
+    first_new = _first_missing(config.runtime_dir)
 
     async def main() -> None:
         daemon = Daemon(config)
+        made.append(daemon)
         daemon.install_signal_handlers()
         await daemon.run()
 
-    import uvloop
-
     try:
         uvloop.run(main())
-    except DaemonError as exc:
-        log.error("%s", exc)
-        return 1
+    except KeyboardInterrupt:  # SIGINT before the daemon's own handler was installed
+        _clean_failed_start(config, first_new)
+        return 130
+    except Exception as exc:
+        if made and made[0].state != "starting":
+            log.exception("daemon failed")
+            return EXIT_FAILURE
+        _clean_failed_start(config, first_new)
+        code, message = start_failure(config, exc)
+        log.debug("start-up failure", exc_info=True)
+        return _refuse(message, config, code)
     return 0
+
+
+def start_failure(config: Config, exc: Exception) -> tuple[int, str]:
+    """Exit status and one line for an exception the daemon raised while starting.
+
+    preflight catches these cases up front; this covers what changed in between (another
+    process took the port) and what only the daemon finds out (the mmap itself failing)."""
+    from .daemon.server import DaemonError
+    from .status import human_bytes
+
+    if isinstance(exc, DaemonError):  # runtime dir, lock, endpoint, storage settings
+        return EXIT_CONFIG, str(exc)
+    if isinstance(exc, OSError) and exc.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+        return EXIT_CONFIG, port_error(config, "metrics.port", config.metrics.host, config.metrics_port, exc)
+    if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM):
+        capacity = human_bytes(config.host_cache.capacity)
+        return EXIT_CONFIG, (
+            f"host_cache.capacity (from {config.source('host_cache.capacity')}): cannot allocate {capacity} "
+            "(out of memory); lower host_cache.capacity"
+        )
+    if isinstance(exc, RuntimeError) and str(exc).startswith("cuda backend:"):
+        return EXIT_CONFIG, f"daemon.backend (from {config.source('daemon.backend')}): {exc}"
+    detail = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return EXIT_FAILURE, f"failed to start: {detail} (daemon.log_level = debug logs the traceback)"
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost directory of ``path`` that does not exist yet (what a start creates)."""
+    missing = None
+    while not path.exists() and path != path.parent:
+        missing, path = path, path.parent
+    return missing
+
+
+def _clean_failed_start(config: Config, first_new: Path | None) -> None:
+    """Removes what a failed start left: the socket and lock of this process (the lock file
+    holds the pid of its owner: another daemon's files are never touched) and the runtime
+    directories it created."""
+    runtime = config.runtime_dir
+    lock = runtime / "daemon.lock"
+    try:
+        owned = lock.read_text().strip() == str(os.getpid())
+    except OSError:
+        owned = False
+    if owned:
+        if config.endpoint.startswith("ipc://"):
+            Path(config.endpoint[len("ipc://") :]).unlink(missing_ok=True)
+        lock.unlink(missing_ok=True)
+    if first_new is None:
+        return
+    for directory in (runtime, *runtime.parents):
+        try:
+            directory.rmdir()  # only if empty
+        except OSError:
+            return
+        if directory == first_new:
+            return
+
+
+# status ------------------------------------------------------------------------------------
 
 
 def _add_status(sub: Any) -> None:
@@ -101,7 +241,7 @@ def _add_status(sub: Any) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .status import fetch_status, format_status
+    from .status import fetch_status, format_status, no_status_hint
 
     endpoint = args.endpoint
     if endpoint is None:
@@ -109,19 +249,23 @@ def cmd_status(args: argparse.Namespace) -> int:
             overrides = {"daemon.rank": args.rank} if args.rank is not None else {}
             endpoint = load_config(args.config, overrides).endpoint
         except ConfigError as exc:
-            print(f"cachexferd: invalid configuration: {exc}", file=sys.stderr)
-            return 2
+            return _refuse(f"invalid configuration: {exc}")
     try:
         status = fetch_status(endpoint, args.timeout)
     except Exception as exc:
-        print(f"cachexferd: no status from {endpoint}: {exc}", file=sys.stderr)
-        return 1
+        print(f"cachexferd: no status from {endpoint}: {exc}{no_status_hint(endpoint)}", file=sys.stderr)
+        return EXIT_FAILURE
     print(json.dumps(status, indent=2, sort_keys=True) if args.json else format_status(status))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR
+
     parser = argparse.ArgumentParser(prog="cachexferd", description="Per-GPU KV-cache transfer daemon")
+    parser.add_argument(
+        "--version", action="version", version=f"cachexferd {__version__} (protocol {PROTOCOL_MAJOR}.{PROTOCOL_MINOR})"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_status(sub)

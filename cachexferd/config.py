@@ -19,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "CACHEXFERD_"
+# Outside 9100-9999, which Prometheus exporters have taken (node_exporter 9100, NVIDIA
+# dcgm-exporter 9400, ...), below the kernel's ephemeral ports, and clear of torch.distributed
+# (29400, 29500): rank r listens on 18700 + r.
+DEFAULT_METRICS_PORT = 18700
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
@@ -70,6 +74,10 @@ class DaemonConfig:
     log_level: str = field(
         default="info", metadata=_meta("debug, info, warning, error", choices=("debug", "info", "warning", "error"))
     )
+    log_format: str = field(
+        default="text",
+        metadata=_meta("text (one line per record) or json (one JSON object per line)", choices=("text", "json")),
+    )
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,8 @@ class MetricsConfig:
     enabled: bool = field(default=True, metadata=_meta("serve Prometheus metrics over HTTP"))
     host: str = field(default="127.0.0.1", metadata=_meta("bind address; keep loopback unless a scraper needs more"))
     port: int = field(
-        default=9400, metadata=_meta("base port; the daemon listens on port + rank; 0: any free port", lo=0, hi=65535)
+        default=DEFAULT_METRICS_PORT,
+        metadata=_meta("base port; the daemon listens on port + rank; 0: any free port", lo=0, hi=65535),
     )
 
 
@@ -128,7 +137,13 @@ class StorageConfig:
     backend: str = field(
         default="file", metadata=_meta("none, file, mooncake, redis", choices=("none", "file", "mooncake", "redis"))
     )
-    path: str = field(default="", metadata=_meta("file backend directory; empty: <runtime_dir>/storage"))
+    path: str = field(
+        default="", metadata=_meta("file backend directory, shared by the ranks; empty: see docs/operations.md")
+    )
+    capacity: int = field(
+        default=64 << 30,
+        metadata=_meta("file backend: bytes kept before the least recently used objects go; 0: no limit", kind="size"),
+    )
     fsync: bool = field(default=False, metadata=_meta("file backend: fsync objects before rename"))
     url: str = field(default="", metadata=_meta("redis backend URL, e.g. redis://127.0.0.1:6379/0"))
     master: str = field(default="", metadata=_meta("mooncake master address host:port"))
@@ -157,10 +172,22 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     cuda: CudaConfig = field(default_factory=CudaConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    # Where each value that is not a default came from ('table.key' -> file, env or flag),
+    # so later checks (cachexferd.preflight) can name it too. Not a setting.
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def source(self, key: str) -> str:
+        """Where setting ``key`` ('table.key') came from: a file, 'env VAR', 'flag ...' or 'default'."""
+        return self.sources.get(key, "default")
 
     @property
     def runtime_dir(self) -> Path:
         return Path(self.daemon.runtime_dir or default_runtime_dir(self.daemon.rank))
+
+    @property
+    def storage_path(self) -> Path:
+        """The file backend's directory."""
+        return Path(self.storage.path or default_storage_path())
 
     @property
     def endpoint(self) -> str:
@@ -171,7 +198,7 @@ class Config:
         return 0 if self.metrics.port == 0 else self.metrics.port + self.daemon.rank
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        return {name: dataclasses.asdict(getattr(self, name)) for name in TABLES}
 
 
 TABLES: dict[str, type] = {
@@ -206,6 +233,36 @@ def default_runtime_dir(rank: int) -> str:
         return f"/run/cachexferd/{rank}"
     base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/cachexferd-{os.getuid()}"
     return f"{base}/cachexferd/{rank}"
+
+
+def default_storage_path() -> str:
+    """Durable and shared by every rank on the host (object keys carry the TP rank):
+    systemd's StateDirectory when set, else /var/lib for root, else the user's XDG state dir."""
+    if os.environ.get("STATE_DIRECTORY"):
+        return os.environ["STATE_DIRECTORY"].split(":")[0] + "/storage"
+    if os.geteuid() == 0:
+        return "/var/lib/cachexferd/storage"
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return f"{base}/cachexferd/storage"
+
+
+_STORAGE_URL_SCHEMES = ("redis://", "rediss://", "unix://")
+_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^\s:\[\]]+):[0-9]{1,5}$")
+
+
+def validate_storage(config: Config) -> None:
+    """Addresses of the selected storage backend: caught here, not at the first connect."""
+    s = config.storage
+    if s.backend == "redis" and s.url and not s.url.startswith(_STORAGE_URL_SCHEMES):
+        raise ConfigError(
+            f"storage.url (from {config.source('storage.url')}): {s.url!r} is not a Redis URL; "
+            "use redis://HOST:PORT/DB, rediss://HOST:PORT/DB (TLS) or unix:///PATH"
+        )
+    if s.backend == "mooncake" and s.master and not _HOST_PORT.match(s.master):
+        raise ConfigError(
+            f"storage.master (from {config.source('storage.master')}): {s.master!r} is not a mooncake_master "
+            "address; use HOST:PORT, e.g. 127.0.0.1:50051"
+        )
 
 
 def _convert(table: str, fld: dataclasses.Field[Any], value: Any, source: str) -> Any:
@@ -277,8 +334,10 @@ class _Layers:
             by_name = {fld.name: fld for fld in fields(cls)}
             kwargs = {k: _convert(name, by_name[k], v, src) for k, (v, src) in self.values[name].items()}
             tables[name] = cls(**kwargs)
-        config = Config(**tables)
+        sources = {f"{t}.{k}": src for t, values in self.values.items() for k, (_, src) in values.items()}
+        config = Config(**tables, sources=sources)
         validate_endpoint(config.endpoint)
+        validate_storage(config)
         return config
 
 
@@ -309,6 +368,16 @@ def _load_file(layers: _Layers, path: Path) -> None:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(
+            f"config file {path} is a directory; --config (or CACHEXFERD_CONFIG) must name a TOML file"
+        ) from None
+    except PermissionError:
+        raise ConfigError(f"config file {path} is not readable by this user (uid {os.getuid()})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not text (TOML is UTF-8)") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     for table, values in data.items():

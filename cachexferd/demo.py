@@ -10,6 +10,7 @@ prints a summary, and cleans up every process it started. Exit status 0 only if 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import random
 import shutil
@@ -42,6 +43,9 @@ def add_demo(sub: Any) -> None:
                    help="storage backend for the prefill->decode handoff part ('none' skips it)")  # fmt: skip
     p.add_argument("--storage-url", help="redis: URL of a running server (default: start one on loopback)")
     p.add_argument("--storage-master", help="mooncake: master host:port (default: start a master + node on loopback)")
+    from .demo_chat import add_chat_args
+
+    add_chat_args(p)
     p.set_defaults(func=run)
 
 
@@ -54,9 +58,16 @@ class Plan:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.chat:
+        from .demo_chat import run_chat
+
+        return run_chat(args)
     if args.blocks * 2 > LAYOUT.num_blocks:
         print(f"--blocks must be at most {LAYOUT.num_blocks // 2}", file=sys.stderr)
         return 2
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)  # progress shows as it happens, also through a pipe
+    print_header()
     workdir = Path(tempfile.mkdtemp(prefix="cachexferd-demo-"))
     daemons: list[DaemonProcess] = []
     runners: list[subprocess.Popen[str]] = []
@@ -82,17 +93,24 @@ def run(args: argparse.Namespace) -> int:
 def start_daemons(workdir: Path) -> list[DaemonProcess]:
     daemons = []
     capacity = 2 * LAYOUT.num_blocks * LAYOUT.host_block_bytes
+    print(f"  starting   {TP} daemons (python -m cachexferd serve, a few seconds each: torch loads)")
     for rank in range(TP):
         daemon = DaemonProcess(
             workdir / f"rank{rank}", rank=rank, settings={"metrics.port": 0, "host_cache.capacity": capacity}
         )
         daemons.append(daemon)
-        daemon.start()
+        started = time.perf_counter()
+        status = daemon.start()
+        print(
+            f"  rank {rank}     ready in {time.perf_counter() - started:.1f} s: {status['endpoint']}   "
+            f"metrics {status['metrics_url']} (until the demo ends)"
+        )
     return daemons
 
 
 def start_runners(daemons: list[DaemonProcess], seed: int) -> tuple[list[subprocess.Popen[str]], list[str]]:
     runners, segments = [], []
+    print(f"  starting   {TP} runner processes: shared-memory KV caches of known data, attached to their daemons")
     for daemon in daemons:
         argv = [
             sys.executable,
@@ -109,6 +127,7 @@ def start_runners(daemons: list[DaemonProcess], seed: int) -> tuple[list[subproc
         if not line.startswith("attached "):
             raise RuntimeError(f"runner for rank {daemon.rank} did not attach: {line!r}")
         segments.append(line.split()[1])
+        print(f"  rank {daemon.rank}     runner pid {proc.pid} attached {line.split()[1]}")
     return runners, segments
 
 
@@ -116,7 +135,7 @@ def drive_engine(daemons: list[DaemonProcess], segments: list[str], args: argpar
     from .demo_runner import verify_segment
 
     rng = random.Random(args.seed)
-    print_header(daemons)
+    print(f"  swapping   {args.rounds} rounds of {args.blocks} blocks out and back in, pipelined, on both ranks")
     plan = Plan()
     started = time.perf_counter()
     with EngineClient([d.endpoint for d in daemons], name="demo-engine") as engine:
@@ -124,10 +143,10 @@ def drive_engine(daemons: list[DaemonProcess], segments: list[str], args: argpar
         for _ in range(args.rounds):
             swap_round(engine, plan, rng, args.blocks)
         elapsed = time.perf_counter() - started
-        statuses = engine.status()
     errors = [c.describe() for c in plan.completions if not c.ok]
+    print("  verifying  every block of both device caches against the expected bytes")
     bad = [verify_segment(name, LAYOUT, args.seed + rank, plan.moves) for rank, name in enumerate(segments)]
-    print_summary(plan, elapsed, errors, bad, statuses)
+    print_summary(plan, elapsed, errors, bad)
     return not errors and not any(bad)
 
 
@@ -157,7 +176,7 @@ def swap_round(engine: EngineClient, plan: Plan, rng: random.Random, blocks: int
         plan.moves[dst] = plan.moves.get(src, src)
 
 
-def print_header(daemons: list[DaemonProcess]) -> None:
+def print_header() -> None:
     print(
         f"cachexferd demo: {TP} daemons (TP={TP}, cpu backend), {TP} runner processes; KV cache "
         f"{LAYOUT.num_layers} layers x {LAYOUT.kv_tensors} tensors x {LAYOUT.num_blocks} blocks, "
@@ -165,9 +184,7 @@ def print_header(daemons: list[DaemonProcess]) -> None:
     )
 
 
-def print_summary(
-    plan: Plan, elapsed: float, errors: list[str], bad: list[str], statuses: list[dict[str, Any]]
-) -> None:
+def print_summary(plan: Plan, elapsed: float, errors: list[str], bad: list[str]) -> None:
     swaps = [c for c in plan.completions if c.ok]
     blocks = sum(int(c.result().get("blocks", 0)) for c in swaps)
     moved = sum(int(o.result.get("bytes", 0)) for c in swaps for o in c.outcomes.values())
@@ -177,8 +194,6 @@ def print_summary(
     print(f"  moved      {human_bytes(moved)} over {TP} ranks in {elapsed:.2f} s = {moved / elapsed / 1e9:.2f} GB/s")
     p50 = statistics.median(lat) if lat else 0.0
     print(f"  latency    p50 {p50:.2f} ms, p99 {p99:.2f} ms (submit -> all ranks done; a round is sent at once)")
-    for status in statuses:
-        print(f"  rank {status['rank']}     {status['endpoint']}   metrics {status['metrics_url']}")
     for line in errors[:10]:
         print(f"  ERROR {line}")
     for rank, problem in enumerate(bad):
@@ -194,6 +209,7 @@ def run_storage_part(args: argparse.Namespace, workdir: Path) -> bool:
     except ImportError:
         print("prefill->decode handoff: skipped (storage tier not installed)")
         return True
+    print(f"prefill->decode handoff via {args.storage}: starting a prefill and a decode daemon that share it ...")
     summary = run_pd_handoff(workdir / "pd", backend=args.storage, url=args.storage_url, master=args.storage_master)
     ok = bool(summary.get("ok"))
     print(f"prefill->decode handoff via {args.storage}: {'OK' if ok else 'FAILED'} {summary.get('detail', '')}")

@@ -7,12 +7,16 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics
 from prometheus_client.exposition import start_http_server
 from prometheus_client.process_collector import ProcessCollector
 
 from . import __version__
 from .protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR
+
+# No `*_created` series: a start timestamp per counter and histogram child doubles the series
+# count for nothing (process_start_time_seconds and the boot id say when a daemon started).
+disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -18,6 +19,13 @@ def fetch_status(endpoint: str, timeout_s: float = 5.0) -> dict[str, Any]:
     finally:
         link.close()
         ctx.term()
+
+
+def no_status_hint(endpoint: str) -> str:
+    """What to look at when a daemon did not answer (appended to the error line)."""
+    if endpoint.startswith("ipc://") and not Path(endpoint[len("ipc://") :]).exists():
+        return " (no socket there: is the daemon running? systemctl status 'cachexferd@*', or check --rank/--endpoint)"
+    return " (the socket exists but nothing answered: the daemon may be starting, stuck or gone)"
 
 
 def human_bytes(n: float) -> str:
@@ -47,7 +55,7 @@ def format_status(s: dict[str, Any]) -> str:
         ("clients", str(s["clients"])),
     ]
     if "storage" in s:
-        rows.append(("storage", ", ".join(f"{k}={v}" for k, v in s["storage"].items())))
+        rows.append(("storage", _storage_line(s["storage"])))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -61,3 +69,9 @@ def _device_line(device: dict[str, Any]) -> str:
         f"{layout.get('kv_tensors')} tensors, {layout.get('num_blocks')} blocks, {layout.get('dtype')}, "
         f"{device.get('mappings', 0)} mappings"
     )
+
+
+def _storage_line(storage: dict[str, Any]) -> str:
+    """Backend and state first; byte counts (file backend usage) in human units."""
+    parts = [f"{k}={human_bytes(v) if k.endswith('_bytes') and isinstance(v, int) else v}" for k, v in storage.items()]
+    return ", ".join(parts)

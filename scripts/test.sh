@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The README's test command: set up ./.venv (with test extras), install the storage test
-# servers and tools when possible, and run the whole suite. Extra arguments go to pytest.
+# The README's test command: set up ./.venv (with the test extras), install the storage test
+# servers and promtool when possible (as root on Debian/Ubuntu: scripts/install-test-tools.sh,
+# docs/operations.md "Test tools" says what it changes), and run the whole suite. Extra
+# arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test

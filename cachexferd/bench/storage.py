@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -38,6 +39,7 @@ from ..daemon.storage_tier import shards
 from ..launch import DaemonProcess
 from ..protocol import KVLayout
 from ..status import human_bytes
+from ..storage.mooncake import quiet_logs
 from ..storage.objects import HEADER_BYTES
 from ..storage.servers import MooncakeCluster, RedisServer, ServerUnavailable
 from .storage_raw import RawClient, RawFile, RawMooncake, RawRedis
@@ -89,9 +91,25 @@ def backend_setup(
             segment = str(max(1 << 30, 4 * n * obj))
             master = args.mooncake_master or _started(stack, MooncakeCluster(workdir / "mc", segment=segment)).master
             settings = {"storage.backend": "mooncake", "storage.master": master}
-            raw = RawMooncake(master, n, obj, threads)
+            with _stderr_to(workdir / "mooncake-client.log"):  # glog's start-up lines, even at ERROR
+                raw = RawMooncake(master, n, obj, threads)
         stack.callback(raw.close)
         yield settings, raw
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Path) -> Iterator[None]:
+    """Sends file descriptor 2 (where native libraries log) to ``path`` for the block."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
 
 
 def _scratch(stack: contextlib.ExitStack) -> Path:
@@ -233,6 +251,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    quiet_logs("error")  # the raw client runs in this process, the daemons inherit it
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     workdir = Path(tempfile.mkdtemp(prefix="cx-bench-storage-"))

@@ -14,17 +14,27 @@ Writes go to a temp file (``writev`` of header + the host block, optional ``fsyn
 are renamed into place, so readers on any machine see a whole object or none. Reads use
 ``preadv`` straight into the host block. Concurrent writers of the same name are harmless:
 the last rename wins and both wrote the same content-addressed bytes.
+
+The directory is durable (by default under systemd's StateDirectory, shared by every rank
+on the host) and bounded by ``storage.capacity``: an in-memory index of object sizes in
+least-recently-used order, built by scanning the directory in the background at start and
+every few minutes (which also picks up what other daemons sharing it wrote), evicts the
+least recently used objects on a put that takes it past the limit, down to 90% of it. A
+read sets the object's mtime, so the order survives restarts and is the same for every
+daemon that scans the directory. The directory is created on first use.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import itertools
 import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +47,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _TMP_DIR = ".tmp"
 _STALE_TMP_S = 3600.0  # temp files older than this were left by a crashed writer
+_RESCAN_S = 600.0  # how often the index re-reads the directory (other writers, drift)
+_LOW_WATER = 0.9  # eviction frees down to this fraction of the capacity
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def object_path(root: str, name: str) -> str:
@@ -45,26 +58,95 @@ def object_path(root: str, name: str) -> str:
     return f"{root}/{digest[:2]}/{digest[2:4]}/{digest}"
 
 
+class LruIndex:
+    """Sizes of the objects in the directory, least recently used first; thread-safe.
+
+    Each entry also keeps its last-use time (wall clock, like a file's mtime) so a rescan of
+    the directory can be merged in without losing what this process did meanwhile."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.total = 0
+        self.evicted = 0
+        self.scanned = False  # the first scan has finished: eviction knows the whole directory
+        self._entries: OrderedDict[str, tuple[int, float]] = OrderedDict()  # path -> (bytes, last use)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def used(self, path: str, size: int) -> None:
+        """``path`` (``size`` bytes) was just written or read: it becomes the most recent."""
+        with self._lock:
+            old = self._entries.pop(path, None)
+            self.total += size - (old[0] if old else 0)
+            self._entries[path] = (size, time.time())
+
+    def discard(self, path: str) -> None:
+        with self._lock:
+            old = self._entries.pop(path, None)
+            if old:
+                self.total -= old[0]
+
+    def victims(self, need: int = 0) -> list[str]:
+        """Removes and returns the least recently used paths to free: down to the low-water
+        mark when over the capacity, and at least ``need`` bytes (a full disk)."""
+        out: list[str] = []
+        with self._lock:
+            over = self.total - int(self.capacity * _LOW_WATER) if self.capacity and self.total > self.capacity else 0
+            target = max(over, need)
+            if not self.scanned and not need:
+                return out  # not knowing the whole directory yet, the order would be wrong
+            freed = 0
+            while freed < target and self._entries:
+                path, (size, _) = self._entries.popitem(last=False)
+                freed += size
+                out.append(path)
+            self.total -= freed
+            self.evicted += len(out)
+        return out
+
+    def merge(self, scanned: list[tuple[str, int, float]], started: float) -> None:
+        """Replaces the index by a directory scan begun at ``started`` (wall clock), keeping
+        entries this process used since (the scan may have missed them)."""
+        with self._lock:
+            merged = {path: (size, mtime) for path, size, mtime in scanned}
+            for path, (size, used) in self._entries.items():
+                if path in merged or used >= started:
+                    merged[path] = (size, max(used, merged.get(path, (0, 0.0))[1]))
+            order = sorted(merged.items(), key=lambda item: item[1][1])
+            self._entries = OrderedDict(order)
+            self.total = sum(size for _, (size, _) in order)
+            self.scanned = True
+
+
 class FileBackend(StorageBackend):
     name = "file"
 
-    def __init__(self, root: Path, fsync: bool = False) -> None:
+    def __init__(self, root: Path, fsync: bool = False, capacity: int = 0) -> None:
         self.root = root
         self.fsync = fsync
+        self.index = LruIndex(capacity)
         self._root = str(root)
         self._tmp = str(root / _TMP_DIR)
         self._made: set[str] = set()  # fan-out dirs known to exist (set ops are atomic under the GIL)
         self._ready = False
+        self._error = ""
         self._lock = threading.Lock()
         self._serial = itertools.count()  # temp names: pid + counter, unique without uuid's cost
+        self._closed = threading.Event()
+        self._scanner: threading.Thread | None = None
 
     def start(self) -> None:
-        try:
-            self._ensure_root()
-        except StorageUnavailable as exc:
-            log.warning("%s; storage commands fail until it is usable", exc)
-            return
-        self._remove_stale_temps()
+        """Cleans up and indexes an existing directory in the background; a missing one is
+        created by the first storage command (a daemon that never stores creates nothing)."""
+        if os.path.isdir(self._root):
+            self._remove_stale_temps()
+        elif not _creatable(self.root):
+            log.warning("storage directory %s cannot be created by this user; storage commands fail until it can",
+                        self.root)  # fmt: skip
+        self._scanner = threading.Thread(target=self._scan_loop, name="storage-file-index", daemon=True)
+        self._scanner.start()
 
     def _ensure_root(self) -> None:
         if self._ready:
@@ -73,8 +155,38 @@ class FileBackend(StorageBackend):
             try:
                 os.makedirs(self._tmp, exist_ok=True)
             except OSError as exc:
+                self._error = exc.strerror or str(exc)
                 raise StorageUnavailable(f"storage directory {self.root}: {exc.strerror}") from None
-            self._ready = True
+            self._ready, self._error = True, ""
+
+    # Index and eviction ---------------------------------------------------------------------
+
+    def _scan_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                self.rescan()
+            except Exception:  # never let the index thread die: eviction would stop
+                log.exception("indexing %s failed", self.root)
+            self._closed.wait(_RESCAN_S)
+
+    def rescan(self) -> None:
+        """Reads every object's size and mtime, merges them into the index, evicts if over."""
+        started = time.time()
+        scanned = list(_scan_objects(self._root))
+        self.index.merge(scanned, started)
+        self._evict(self.index.victims())
+
+    def _evict(self, paths: list[str]) -> None:
+        for path in paths:
+            _unlink_quietly(path)
+        if paths:
+            log.debug("evicted %d objects from %s", len(paths), self.root)
+
+    def _make_room(self, need: int) -> bool:
+        """After a full disk: evicts at least ``need`` bytes; False when there was nothing to evict."""
+        victims = self.index.victims(need)
+        self._evict(victims)
+        return bool(victims)
 
     def _remove_stale_temps(self) -> None:
         cutoff = time.time() - _STALE_TMP_S
@@ -99,6 +211,21 @@ class FileBackend(StorageBackend):
 
     def _put_one(self, item: PutItem) -> str | None:
         final = object_path(self._root, item.name)
+        size = HEADER_BYTES + len(item.payload)
+        try:
+            self._write(item, final)
+        except OSError as exc:
+            if exc.errno not in _NO_SPACE or not self._make_room(8 * size):
+                return self._put_failed(exc)
+            try:  # the disk filled before the capacity did: room was made, once more
+                self._write(item, final)
+            except OSError as again:
+                return self._put_failed(again)
+        self.index.used(final, size)
+        self._evict(self.index.victims())
+        return None
+
+    def _write(self, item: PutItem, final: str) -> None:
         tmp = f"{self._tmp}/{final[-32:]}.{os.getpid()}.{next(self._serial)}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -109,14 +236,16 @@ class FileBackend(StorageBackend):
             finally:
                 os.close(fd)
             self._rename_into_place(tmp, final)
-        except OSError as exc:
+        except OSError:
             _unlink_quietly(tmp)
-            if not os.path.isdir(self._tmp):  # the directory itself went away (unmounted, removed)
-                self._ready = False
-                self._made.clear()
-                raise StorageUnavailable(f"storage directory {self.root} is gone: {exc.strerror}") from None
-            return f"{exc.strerror or exc}"
-        return None
+            raise
+
+    def _put_failed(self, exc: OSError) -> str:
+        if not os.path.isdir(self._tmp):  # the directory itself went away (unmounted, removed)
+            self._ready = False
+            self._made.clear()
+            raise StorageUnavailable(f"storage directory {self.root} is gone: {exc.strerror}") from None
+        return f"{exc.strerror or exc}"
 
     def _rename_into_place(self, tmp: str, final: str) -> None:
         parent = os.path.dirname(final)
@@ -157,10 +286,12 @@ class FileBackend(StorageBackend):
         header = bytearray(HEADER_BYTES)
         try:
             received = _read_object(fd, header, item.payload)
+            _mark_used(fd)
         except OSError as exc:
             return GetResult(GetStatus.FAILED, detail=exc.strerror or str(exc))
         finally:
             os.close(fd)
+        self.index.used(object_path(self._root, item.name), received)
         return GetResult(GetStatus.OK, bytes(header), received)
 
     def exists(self, names: list[str]) -> list[bool]:
@@ -177,15 +308,27 @@ class FileBackend(StorageBackend):
         self._ensure_root()
         removed = 0
         for name in names:
+            path = object_path(self._root, name)
+            self.index.discard(path)
             try:
-                os.unlink(object_path(self._root, name))
+                os.unlink(path)
                 removed += 1
             except FileNotFoundError:
                 pass
         return removed
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "path": str(self.root), "state": "ready" if self._ready else "unavailable"}
+        if self._ready or os.path.isdir(self._root):
+            state = "ready"
+        else:
+            state = f"unavailable: {self._error}" if self._error else "not created yet"
+        return {
+            "backend": self.name, "path": str(self.root), "state": state, "objects": len(self.index),
+            "used_bytes": self.index.total, "capacity_bytes": self.index.capacity, "evicted": self.index.evicted,
+        }  # fmt: skip
+
+    def close(self) -> None:
+        self._closed.set()
 
 
 def _after(views: list[memoryview], done: int) -> list[memoryview]:
@@ -220,6 +363,41 @@ def _read_object(fd: int, header: bytearray, payload: memoryview) -> int:
     return total
 
 
+def _scan_objects(root: str) -> list[tuple[str, int, float]]:
+    """(path, bytes, mtime) of every object under ``root``'s two fan-out levels."""
+    found: list[tuple[str, int, float]] = []
+    for first in _subdirs(root):
+        for second in _subdirs(first):
+            with contextlib.suppress(OSError), os.scandir(second) as entries:
+                for entry in entries:
+                    with contextlib.suppress(OSError):  # removed while we looked
+                        if entry.is_file(follow_symlinks=False):
+                            st = entry.stat(follow_symlinks=False)
+                            found.append((entry.path, st.st_size, st.st_mtime))
+    return found
+
+
+def _subdirs(path: str) -> list[str]:
+    try:
+        with os.scandir(path) as entries:
+            return [e.path for e in entries if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+
+
+def _mark_used(fd: int) -> None:
+    """Sets the object's mtime to now: the least-recently-used order on disk. Objects owned by
+    another user (a shared directory) may refuse; the in-memory order still counts the use."""
+    with contextlib.suppress(OSError):
+        os.utime(fd)
+
+
+def _creatable(path: Path) -> bool:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -234,5 +412,4 @@ def _unlink_quietly(path: str) -> None:
 
 
 def create(config: Config, pool: object = None) -> FileBackend:
-    path = Path(config.storage.path) if config.storage.path else config.runtime_dir / "storage"
-    return FileBackend(path, config.storage.fsync)
+    return FileBackend(config.storage_path, config.storage.fsync, config.storage.capacity)

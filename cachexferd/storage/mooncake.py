@@ -56,6 +56,17 @@ _PROBE_S = 1.0
 _RETRY_S = 2.0  # least time between two connect attempts
 
 
+# daemon.log_level -> MC_LOG_LEVEL (Mooncake knows TRACE, INFO, WARNING, ERROR)
+_MC_LOG_LEVELS = {"debug": "INFO", "info": "WARNING", "warning": "WARNING", "error": "ERROR"}
+
+
+def quiet_logs(level: str = "info") -> None:
+    """Mooncake logs each connection step at INFO on stderr (a dozen lines per client):
+    keep it to warnings and errors unless ``level`` is debug or MC_LOG_LEVEL is set. Must
+    run before the client is created."""
+    os.environ.setdefault("MC_LOG_LEVEL", _MC_LOG_LEVELS.get(level, "WARNING"))
+
+
 def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -124,6 +135,7 @@ class MooncakeBackend(StorageBackend):
         # The client retries setup 20 times (~90 s) against a dead master; we probe first
         # and retry on our own schedule, so a couple of tries is enough. Operators may override.
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
+        quiet_logs(config.daemon.log_level)
         if s.protocol == "tcp":
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", s.local_hostname)
 
