@@ -29,34 +29,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    for r in rows:
-        if r["blocks"] >= 128:
-            series[f"{r['direction']} {r['pattern']} x{r['blocks']}"].append((r["block_bytes"], r["ratio"]))
-    colors = dict(zip(sorted({n.split()[0] + n.split()[2] for n in series}), plt.get_cmap("tab10").colors))
-    for name, points in sorted(series.items()):
-        points.sort()
-        direction, pattern, count = name.split()
-        style = "-" if pattern == "contiguous" else "--"
-        ax.plot([p[0] >> 10 for p in points], [p[1] * 100 for p in points], style, marker="o",
-                color=colors[direction + count], label=name)  # fmt: skip
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("host block size (KiB)")
-    ax.set_ylabel("swap / raw contiguous copy (%)")
-    ax.axhline(85, color="grey", linestyle="--", linewidth=1)
-    ax.set_title(title)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("json")
@@ -66,8 +38,9 @@ def main() -> None:
         data = json.load(f)
     print(table(data["rows"]))
     if args.plot:
-        m = data["machine"]
-        plot(data["rows"], args.plot, f"{m['backend']} on {m['device']}, {m['layers']} layers x 2 tensors per block")
+        from cachexferd.bench.cli import plot_swap  # the figure `cachexferd bench swap --plot` draws
+
+        plot_swap(data, args.plot)
 
 
 if __name__ == "__main__":

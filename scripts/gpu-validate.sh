@@ -1,23 +1,20 @@
 #!/usr/bin/env bash
-# One command for a session with a GPU: validate and benchmark the cuda backend.
+# Validates and benchmarks the cuda backend on a machine with an NVIDIA GPU.
 #
-#   scripts/gpu-validate.sh            # writes to $OUT (the device tool's folder) or ./gpu-validate-out
-#   STEPS="tests pin" scripts/gpu-validate.sh   # a subset: tests bench copy pin
+#   scripts/gpu-validate.sh                     # writes to $OUT, or ./gpu-validate-out
+#   STEPS="tests pin" scripts/gpu-validate.sh   # a subset of: tests bench copy pin
 #
-# Steps, each under its own time limit (sum of limits ~12 min; a typical run is far shorter).
-# If one device call (10 min) is at risk, split it: STEPS="tests copy", then STEPS="bench pin".
+# Steps, each under its own time limit (about 12 min in all; a typical run is far shorter):
 #   tests  pytest -m cuda -v tests (every GPU test), then the CPU tests of the cuda backend's
-#          logic (pool scheduling, handle encoding, copy plans, import guard) on this image
+#          logic (pool scheduling, handle encoding, copy plans, import guard)
 #   bench  cachexferd bench swap --backend cuda ($BENCH_ARGS; results under $OUT/bench)
 #   copy   scripts/cuda_copy_probe.py: dma vs staging vs a raw pinned copy -> the auto rule
 #   pin    scripts/pin_probe.py: pinning 64 GiB, its time, status latency meanwhile
-# Output ($OUT, at most 8 files as the device tool returns them): summary.txt (environment
-# and each step's exit code), pytest-cuda.log, bench.log, bench/ (the bench's own files:
-# keep them to two), probes.log, copy_probe.json, pin_probe.json.
+# Output in $OUT: summary.txt (environment and each step's exit code), pytest-cuda.log,
+# bench.log, bench/ (the bench's own files), probes.log, copy_probe.json, pin_probe.json.
 #
-# Packages: the GPU image has torch, msgpack, uvloop, prometheus-client, pytest and
-# cuda-bindings but not pyzmq. Carry its wheel in .whl/ (see docs/cuda.md); it is installed
-# from there into /tmp/site when `import zmq` fails.
+# Needs torch with CUDA, msgpack, uvloop, prometheus-client, pytest and cuda-bindings. If
+# pyzmq is missing and its wheel sits in .whl/, it is installed from there into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-validate-out}"

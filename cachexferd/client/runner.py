@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -89,6 +90,9 @@ class ShmKVCache(KVTensors):
         self.path = f"/dev/shm/{self.name}"
         size = layout.num_tensors * layout.tensor_bytes
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        # A segment outlives its process unless unlinked: at close(), when the cache is
+        # collected, or at interpreter exit, whichever comes first.
+        self._unlink = weakref.finalize(self, _unlink_quietly, self.path)
         try:
             os.ftruncate(fd, size)
         finally:
@@ -107,14 +111,18 @@ class ShmKVCache(KVTensors):
 
     def close(self) -> None:
         self.tensors = []
-        with suppress(FileNotFoundError):
-            os.unlink(self.path)
+        self._unlink()
 
     def __enter__(self) -> ShmKVCache:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _unlink_quietly(path: str) -> None:
+    with suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 @dataclass

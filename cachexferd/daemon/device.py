@@ -64,6 +64,15 @@ class DeviceSlot:
     def attach(self, layout_wire: dict[str, Any], device: dict[str, Any], pid: int | None) -> Awaitable[dict[str, Any]]:
         """Checks the request now (state, layout, host fit) and returns the import to await.
         A failed attach changes nothing: the host geometry is bound only on success."""
+        try:
+            layout, geometry = self._check_attach(layout_wire)
+        except ProtocolError as exc:
+            log.info("attach refused (runner pid %s): %s: %s", pid, exc.code.name, exc.detail)
+            raise
+        self.state = DeviceState.ATTACHING
+        return self._import(layout, geometry, device, pid)
+
+    def _check_attach(self, layout_wire: dict[str, Any]) -> tuple[KVLayout, HostGeometry]:
         if self.state is not DeviceState.DETACHED:
             code = ErrorCode.ALREADY_ATTACHED if self.state is DeviceState.ATTACHED else ErrorCode.BAD_STATE
             raise ProtocolError(code, f"device cache is {self.state.value}; detach first")
@@ -71,9 +80,7 @@ class DeviceSlot:
             layout = KVLayout.from_wire(layout_wire)
         except (LayoutError, TypeError) as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, str(exc)) from None
-        geometry = self.host.plan(layout)
-        self.state = DeviceState.ATTACHING
-        return self._import(layout, geometry, device, pid)
+        return layout, self.host.plan(layout)
 
     async def _import(
         self, layout: KVLayout, geometry: HostGeometry, device: dict[str, Any], pid: int | None
@@ -84,7 +91,7 @@ class DeviceSlot:
             self.cache = await loop.run_in_executor(None, import_cache, layout, device, pool, geometry)
         except AttachError as exc:
             self.state = DeviceState.DETACHED
-            log.info("attach refused: %s", exc)
+            log.info("attach refused (runner pid %s): %s: %s", pid, exc.code.name, exc)
             raise ProtocolError(exc.code, str(exc)) from None
         except Exception as exc:
             self.state = DeviceState.DETACHED

@@ -77,6 +77,14 @@ class DaemonError(RuntimeError):
     """The daemon cannot start (bad runtime dir, endpoint in use, ...)."""
 
 
+def _first_missing(path: Path) -> Path | None:
+    """The outermost directory of ``path`` that does not exist yet (what a start creates)."""
+    missing = None
+    while not path.exists() and path != path.parent:
+        missing, path = path, path.parent
+    return missing
+
+
 class Daemon:
     def __init__(self, config: Config, backend: Backend | None = None) -> None:
         self.config = config
@@ -118,13 +126,19 @@ class Daemon:
     # Lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._prepare_runtime_dir()
-        self.router = self._bind_router()
-        if self.storage is not None:
-            self.storage.start()
-        if self.config.metrics.enabled:
-            port = self.metrics.serve(self.config.metrics.host, self.config.metrics_port)
-            log.info("metrics on http://%s:%d/metrics", self.config.metrics.host, port)
+        created = _first_missing(self.config.runtime_dir)
+        try:
+            self._prepare_runtime_dir()
+            # Metrics before the router: a taken port must fail before clients can connect.
+            if self.config.metrics.enabled:
+                port = self.metrics.serve(self.config.metrics.host, self.config.metrics_port)
+                log.info("metrics on http://%s:%d/metrics", self.config.metrics.host, port)
+            self.router = self._bind_router()
+            if self.storage is not None:
+                self.storage.start()
+        except BaseException:
+            self._undo_start(created)
+            raise
         _tune_gc()
         loop = asyncio.get_running_loop()
         loop.add_reader(self.router.fileno(), self._schedule_read)
@@ -213,6 +227,9 @@ class Daemon:
             self._lock_file = open(runtime / "daemon.lock", "a+")  # noqa: SIM115 (held for the process lifetime)
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            assert self._lock_file is not None
+            self._lock_file.close()
+            self._lock_file = None  # not ours: a failed start must not touch its files
             raise DaemonError(f"another cachexferd is running with runtime dir {runtime}") from None
         except OSError as exc:
             raise DaemonError(f"runtime dir {runtime}: {exc.strerror}") from None
@@ -222,6 +239,27 @@ class Daemon:
         self._lock_file.write(f"{os.getpid()}\n")
         self._lock_file.flush()
         self._remove_ipc_file()  # stale socket of a daemon that died: we hold the lock now
+
+    def _undo_start(self, created: Path | None) -> None:
+        """A failed start leaves nothing behind: no metrics server, socket file, lock file, or
+        runtime directory it created. Only files of this process: the lock is ours if held."""
+        self.metrics.stop()
+        if self.router is not None:
+            self.router.close(0)
+            self.router = None
+        if self._lock_file is not None:  # we hold the lock: the socket file and lock are ours
+            self._remove_ipc_file()
+            (self.config.runtime_dir / "daemon.lock").unlink(missing_ok=True)
+            self._lock_file.close()
+            self._lock_file = None
+        if created is not None:
+            for directory in (self.config.runtime_dir, *self.config.runtime_dir.parents):
+                try:
+                    directory.rmdir()  # empty ones only
+                except OSError:
+                    break
+                if directory == created:
+                    break
 
     def _bind_router(self) -> zmq.Socket[Any]:
         router: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)

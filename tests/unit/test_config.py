@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cachexferd.config import ConfigError, describe, load_config, parse_size, settings_markdown
+from cachexferd.config import DEFAULT_METRICS_PORT, ConfigError, describe, load_config, parse_size, settings_markdown
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ def test_precedence(tmp_path: Path) -> None:
     assert config.daemon.log_level == "debug"
     assert config.host_cache.capacity == 2 << 30
     assert config.host_cache.copy_threads == 3
-    assert config.metrics_port == 9405
+    assert config.metrics_port == DEFAULT_METRICS_PORT + 5
 
 
 @pytest.mark.parametrize(
