@@ -121,6 +121,8 @@ class Dispatcher:
         self.outcomes.send(identity, cmd.TYPE, cmd.req_id, code, detail, result, received)
 
     def _run_sync(self, identity: bytes, cmd: Command, received: float) -> None:
+        if cmd.TYPE == MsgType.HELLO:
+            self.outcomes.flush()  # events batched for the channel this hello may replace go out first
         result = self.handlers.sync[cmd.TYPE](identity, cmd)
         if isinstance(result, dict):
             self.outcomes.send(identity, cmd.TYPE, cmd.req_id, ErrorCode.OK, "", result, received)
