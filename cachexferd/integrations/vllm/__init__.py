@@ -1,0 +1,35 @@
+"""cachexferd as vLLM's KV-offloading backend (vLLM v1, OffloadingConnector interface).
+
+Use it from vLLM with::
+
+    kv_transfer_config={"kv_connector": "CachexferdConnector",
+                        "kv_connector_module_path": "cachexferd.integrations.vllm",
+                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+
+next to one ``cachexferd serve`` daemon per rank. docs/vllm.md has every option.
+
+The vLLM-facing classes are imported on first use, so the parts that do not need vLLM
+(options, keys, the daemon connection) import without it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .connector import CachexferdConnector
+    from .spec import CachexferdOffloadingSpec
+
+__all__ = ["CachexferdConnector", "CachexferdOffloadingSpec"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CachexferdConnector":
+        from .connector import CachexferdConnector
+
+        return CachexferdConnector
+    if name == "CachexferdOffloadingSpec":
+        from .spec import CachexferdOffloadingSpec
+
+        return CachexferdOffloadingSpec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

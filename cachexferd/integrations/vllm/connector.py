@@ -1,0 +1,84 @@
+"""``CachexferdConnector``: vLLM's OffloadingConnector with cachexferd's spec, plus the
+failure reporting vLLM's offloading worker does not do.
+
+vLLM's offloading worker asserts that every transfer succeeds. Ours always reports success
+and keeps failures on the side; this connector hands them on:
+- GPU blocks whose load failed go to ``get_block_ids_with_load_errors``, vLLM's hook for
+  recomputing them (with ``kv_load_failure_policy="recompute"``);
+- offload keys that were not stored (or could not be loaded) travel to the scheduler in the
+  worker metadata, and the manager forgets them before vLLM completes their jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.outputs import KVConnectorOutput
+
+from .manager import CachexferdManager
+from .spec import RUNTIME_KEY
+from .worker import CachexferdWorker
+
+log = logging.getLogger("vllm.cachexferd")  # a child of vLLM's logger: our lines show in its log
+
+SPEC_NAME = "CachexferdOffloadingSpec"
+SPEC_MODULE = "cachexferd.integrations.vllm.spec"
+
+
+@dataclass
+class CachexferdWorkerMetadata(OffloadingWorkerMetadata):
+    """vLLM's completed jobs plus the offload keys that failed on some rank."""
+
+    failed_keys: list[bytes] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        merged = OffloadingWorkerMetadata.aggregate(self, other)
+        assert isinstance(merged, OffloadingWorkerMetadata)
+        more = other.failed_keys if isinstance(other, CachexferdWorkerMetadata) else []
+        return CachexferdWorkerMetadata(merged.completed_jobs, merged.transfer_stats, [*self.failed_keys, *more])
+
+
+class CachexferdConnector(OffloadingConnector):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        extra: dict[str, Any] = transfer.kv_connector_extra_config
+        extra.setdefault("spec_name", SPEC_NAME)
+        extra.setdefault("spec_module_path", SPEC_MODULE)
+        extra[RUNTIME_KEY] = {"hash_algo": str(vllm_config.cache_config.prefix_caching_hash_algo)}
+        if transfer.kv_load_failure_policy != "recompute" and role == KVConnectorRole.SCHEDULER:
+            log.warning("cachexferd: kv_load_failure_policy is %r: requests whose KV load fails will fail "
+                        "instead of being recomputed", transfer.kv_load_failure_policy)  # fmt: skip
+        super().__init__(vllm_config, role, kv_cache_config)
+
+    def _cx_worker(self) -> CachexferdWorker | None:
+        worker = self.connector_worker.worker if self.connector_worker is not None else None
+        return worker if isinstance(worker, CachexferdWorker) else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        worker = self._cx_worker()
+        return worker.take_invalid_block_ids() if worker is not None else set()
+
+    def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
+        meta = super().build_connector_worker_meta()
+        worker = self._cx_worker()
+        failed = worker.take_failed_keys() if worker is not None else []
+        if meta is None and not failed:
+            return None
+        base = meta or OffloadingWorkerMetadata()
+        return CachexferdWorkerMetadata(base.completed_jobs, base.transfer_stats, list(failed))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, CachexferdWorkerMetadata) and meta.failed_keys:
+            manager = self.scheduler.manager
+            if isinstance(manager, CachexferdManager):
+                manager.mark_failed(meta.failed_keys)
+        super().update_connector_output(connector_output)

@@ -1,0 +1,126 @@
+"""Storage hits for blocks this vLLM instance never stored: a restart, or another instance.
+
+The index only knows the blocks it placed itself. When a lookup misses it, the manager asks
+the daemons' storage (LOOKUP, one per request and step, all ranks) and promotes the blocks
+found into the host tier: ``index.prepare_store`` allocates host blocks as for any store,
+the manager LOADs the objects into them (no device ids), and ``complete_store`` makes them
+readable. vLLM's lookup answers RETRY meanwhile, so the request waits a step or two and
+then loads the blocks from the host like any other hit.
+
+Blocks the storage does not have are remembered as misses for ``ttl_s``, so a cold prompt
+costs one LOOKUP, not one per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from vllm.v1.kv_offload.base import OffloadKey
+
+from ...client import EngineClient
+from ...client.pending import Completion
+from ...index import OffloadIndex
+from ...protocol import MsgType
+from .index_calls import prepare_stores
+from .keys import VllmKeyNames
+
+log = logging.getLogger("vllm.cachexferd")  # a child of vLLM's logger: our lines show in its log
+
+
+@dataclass
+class _Batch:
+    keys: list[OffloadKey]
+    digests: list[bytes]
+    host_ids: list[int] = field(default_factory=list)  # set once the LOAD is sent
+
+
+class StoragePrefetch:
+    def __init__(self, names: VllmKeyNames, ttl_s: float = 5.0) -> None:
+        self.names = names
+        self.ttl_s = ttl_s
+        self._queued: dict[str, list[OffloadKey]] = {}  # req_id -> keys asked this step
+        self._pending: dict[int, _Batch] = {}  # daemon req_id -> batch (LOOKUP or LOAD)
+        self._inflight: set[OffloadKey] = set()
+        self._missed: dict[OffloadKey, float] = {}  # key -> when the storage did not have it
+        self.boots: dict[int, tuple[str, ...]] = {}  # host block -> daemon boots that wrote it
+        self.promoted = 0
+
+    def consider(self, key: OffloadKey, req_id: str) -> bool:
+        """True: ask again later (a LOOKUP or LOAD is on its way); False: a miss."""
+        if key in self._inflight:
+            return True
+        missed = self._missed.get(key)
+        if missed is not None and time.monotonic() - missed < self.ttl_s:
+            return False
+        self._missed.pop(key, None)
+        self._queued.setdefault(req_id, []).append(key)
+        self._inflight.add(key)
+        return True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queued or self._pending)
+
+    def flush(self, client: EngineClient) -> None:
+        """Sends this step's LOOKUPs (one per request: LOOKUP counts a contiguous prefix)."""
+        for keys in self._queued.values():
+            digests = [self.names.block_hash(k).digest for k in keys]
+            rid = client.lookup(self.names.space.keys_by_rank([self.names.block_hash(k) for k in keys]))
+            self._pending[rid] = _Batch(keys, digests)
+        self._queued.clear()
+
+    def on_completion(self, done: Completion, client: EngineClient, index: OffloadIndex) -> bool:
+        batch = self._pending.pop(done.req_id, None)
+        if batch is None:
+            return False
+        if done.op == MsgType.LOOKUP:
+            found = done.min_result("prefix") if done.ok else 0
+            self._miss(batch.keys[found:])
+            if found:
+                self._load(_Batch(batch.keys[:found], batch.digests[:found]), client, index)
+        else:
+            loaded = done.min_result("loaded") if done.ok else 0
+            index.complete_store(batch.digests[:loaded], success=True)
+            index.complete_store(batch.digests[loaded:], success=False)
+            boots = tuple(link.boot_id or "" for link in client.links)
+            for host in batch.host_ids[:loaded]:
+                self.boots[host] = boots
+            self._miss(batch.keys[loaded:])
+            self._inflight.difference_update(batch.keys[:loaded])
+            self.promoted += loaded
+        return True
+
+    def _load(self, batch: _Batch, client: EngineClient, index: OffloadIndex) -> None:
+        placed = prepare_stores(index, batch.digests)
+        if placed is None or not placed.digests:
+            self._inflight.difference_update(batch.keys)  # no room now, or already there
+            return
+        wanted = set(placed.digests)
+        keys = [k for k, d in zip(batch.keys, batch.digests) if d in wanted]
+        self._inflight.difference_update(k for k, d in zip(batch.keys, batch.digests) if d not in wanted)
+        self.forget_hosts(placed.host_ids)
+        rid = client.load(self.names.space.keys_by_rank([self.names.block_hash(k) for k in keys]), placed.host_ids)
+        self._pending[rid] = _Batch(keys, list(placed.digests), list(placed.host_ids))
+
+    def _miss(self, keys: list[OffloadKey]) -> None:
+        now = time.monotonic()
+        for key in keys:
+            self._missed[key] = now
+            self._inflight.discard(key)
+        if len(self._missed) > 100_000:  # bounded: forget the oldest half
+            for key in sorted(self._missed, key=self._missed.__getitem__)[:50_000]:
+                del self._missed[key]
+
+    def forget_hosts(self, host_ids: list[int]) -> None:
+        """These host blocks are being rewritten: what we knew of their writer is void."""
+        for host in host_ids:
+            self.boots.pop(host, None)
+
+    def reset(self) -> None:
+        """The connection was lost: pending commands will never complete."""
+        self._queued.clear()
+        self._pending.clear()
+        self._inflight.clear()
+        self.boots.clear()

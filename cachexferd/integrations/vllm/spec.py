@@ -1,0 +1,75 @@
+"""The OffloadingSpec vLLM loads by name: builds the scheduler-side manager and the worker."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from .connection import DaemonConnection
+from .keys import VllmKeyNames, layout_name
+from .manager import CachexferdManager
+from .options import PluginOptions
+from .shm_cache import page_cache
+from .worker import CachexferdWorker
+
+log = logging.getLogger("vllm.cachexferd")  # a child of vLLM's logger: our lines show in its log
+
+RUNTIME_KEY = "cachexferd_runtime"  # facts the connector adds to the extra config (hash algorithm)
+
+
+class CachexferdOffloadingSpec(OffloadingSpec):
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        runtime: dict[str, Any] | None = self.extra_config.get(RUNTIME_KEY)
+        if runtime is None:
+            raise ValueError(
+                "CachexferdOffloadingSpec runs under kv_connector='CachexferdConnector' "
+                "(kv_connector_module_path='cachexferd.integrations.vllm'), which reports failed "
+                "transfers to vLLM's recompute path"
+            )
+        if len(config.groups) != 1:
+            raise ValueError(f"cachexferd supports models with one KV cache group; this one has {len(config.groups)}")
+        if self.blocks_per_chunk != 1:
+            raise ValueError("cachexferd offloads vLLM blocks one by one: leave the offload block_size unset")
+        self.options = PluginOptions.from_extra_config(self.extra_config)
+        group = config.groups[0]
+        layout = layout_name(
+            layers=len(group.layer_names), block_bytes=config.worker_kv_bytes_per_block,
+            tokens_per_block=group.tokens_per_block, kv_cache_layout=config.kv_cache_layout or "",
+            hash_algo=str(runtime.get("hash_algo", "")),
+        )  # fmt: skip
+        self.names = VllmKeyNames.create(
+            model=self.options.model_id or config.model.name, weights_version=self.options.weights_version,
+            dtype=config.model.dtype, layout=layout, tokens_per_block=group.tokens_per_block,
+            tp_size=config.parallel.world_size,
+        )  # fmt: skip
+        self._manager: CachexferdManager | None = None
+        self._worker: CachexferdWorker | None = None
+
+    def _connection(self, endpoints: list[str], name: str, **kwargs: Any) -> DaemonConnection:
+        o = self.options
+        return DaemonConnection(
+            endpoints, name=name, transfer_timeout_s=o.transfer_timeout_s,
+            connect_timeout_s=o.connect_timeout_s, retry_interval_s=o.retry_interval_s, **kwargs,
+        )  # fmt: skip
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            endpoints = [self.options.endpoint_for(r) for r in range(self.config.parallel.world_size)]
+            self._manager = CachexferdManager(self.options, self.names, self._connection(endpoints, "vllm-scheduler"))
+            log.info("cachexferd: scheduler side up (daemons %s, storage keys %s)", endpoints, self.names.space.digest)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            rank = self.config.parallel.rank
+            cache = page_cache([t.tensor for t in kv_caches.tensors])
+            conn = self._connection([self.options.endpoint_for(rank)], f"vllm-worker-{rank}", cache=cache)
+            if not conn.start():
+                log.warning("cachexferd: daemon %s not reachable at start; vLLM serves without it until it is",
+                            self.options.endpoint_for(rank))  # fmt: skip
+            self._worker = CachexferdWorker(conn, self.names, rank, self.options.transfer_timeout_s)
+        return self._worker

@@ -1,0 +1,139 @@
+"""The plug-in's parts that need no vLLM: options, storage key names, and the connection
+that must never block an engine step on a daemon that is down, paused or restarted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cachexferd.client.runner import ShmKVCache
+from cachexferd.integrations.vllm.connection import DaemonConnection
+from cachexferd.integrations.vllm.keys import VllmKeyNames, layout_name
+from cachexferd.integrations.vllm.options import PluginOptions
+from cachexferd.launch import DaemonProcess
+
+from ..helpers import SMALL
+from .rig import attached_runner, metric, start_daemon
+
+INTERVAL = 0.2
+
+
+def test_options_parse_check_and_name_endpoints() -> None:
+    opts = PluginOptions.from_extra_config({"spec_name": "x", "cachexferd": {"endpoint": "ipc:///r/{rank}/c.sock"}})
+    assert opts.endpoint_for(2) == "ipc:///r/2/c.sock"
+    assert PluginOptions.from_extra_config({}).storage == "write_through"
+    for bad in ({"storage": "evict"}, {"host_blocks": -1}, {"transfer_timeout_s": 0}, {"endpoint": "http://x"},
+                {"no_such_option": 1}):  # fmt: skip
+        with pytest.raises(ValueError):
+            PluginOptions.from_extra_config({"cachexferd": bad})
+
+
+def names(model: str = "m", layers: int = 2, tp: int = 1) -> VllmKeyNames:
+    layout = layout_name(layers=layers, block_bytes=16384, tokens_per_block=32, kv_cache_layout="LBHNC",
+                         hash_algo="sha256")  # fmt: skip
+    return VllmKeyNames.create(model=model, weights_version="0", dtype="bfloat16", layout=layout,
+                               tokens_per_block=32, tp_size=tp)  # fmt: skip
+
+
+def test_storage_keys_match_only_the_same_model_and_layout() -> None:
+    key = b"\x01" * 32 + (0).to_bytes(4, "big")
+    assert names().key(key, 0) == names().key(key, 0)  # another instance, same model: shared
+    assert len({names().key(key, 0), names(model="other").key(key, 0), names(layers=3).key(key, 0)}) == 3
+    assert names(tp=2).key(key, 0) != names(tp=2).key(key, 1)
+    assert names().key(key, 0) != names().key(b"\x01" * 32 + (1).to_bytes(4, "big"), 0)  # group index
+    assert len(names().key(key, 0)) <= 80
+
+
+@pytest.fixture
+def cache() -> Iterator[ShmKVCache]:
+    c = ShmKVCache(SMALL)
+    yield c
+    c.close()
+
+
+def connection(endpoint: str, cache: ShmKVCache | None = None) -> DaemonConnection:
+    return DaemonConnection(
+        [endpoint], name="test", transfer_timeout_s=5, connect_timeout_s=5, retry_interval_s=INTERVAL, cache=cache
+    )
+
+
+def tick_until(conn: DaemonConnection, check: object, timeout_s: float) -> list[str]:
+    """Ticks like an engine step loop; asserts no tick blocks; returns the loss reasons seen."""
+    reasons: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        start = time.monotonic()
+        reason = conn.tick()
+        assert time.monotonic() - start < 0.5 or conn.up, "a tick blocked on the daemon"
+        if reason:
+            reasons.append(reason)
+        if callable(check) and check():
+            return reasons
+        time.sleep(0.02)
+    raise AssertionError(f"condition not reached in {timeout_s}s (reasons: {reasons})")
+
+
+def test_daemon_down_at_start_is_picked_up_later(short_tmp: Path, cache: ShmKVCache) -> None:
+    daemon = DaemonProcess(short_tmp / "d", settings={"metrics.port": 0, "host_cache.capacity": "16MiB"})
+    conn = connection(daemon.endpoint, cache)
+    try:
+        start = time.monotonic()
+        assert not conn.start()
+        assert time.monotonic() - start < 1, "start() waited for a daemon whose socket does not exist"
+        for _ in range(5):  # the engine steps on without it
+            assert conn.tick() is None and not conn.up
+        daemon.start()
+        tick_until(conn, lambda: conn.up, 10)
+        assert attached_runner(daemon) == os.getpid()
+    finally:
+        conn.close()
+        daemon.stop()
+    assert cache.tensors, "closing the connection must leave the runner's cache alone"
+
+
+def test_killed_paused_and_restarted_daemons(short_tmp: Path, cache: ShmKVCache) -> None:
+    daemon = start_daemon(short_tmp, "d", short_tmp / "storage")
+    conn = connection(daemon.endpoint, cache)
+    try:
+        assert conn.start()
+        first_boot = conn.boot_ids[0]
+
+        daemon.signal(signal.SIGSTOP)  # hung: pings go unanswered, ticks must not wait
+        reasons = tick_until(conn, lambda: not conn.up, 5)
+        assert "stopped answering" in reasons[0]
+        daemon.kill()
+
+        daemon = start_daemon(short_tmp, "d", short_tmp / "storage")  # same endpoint, new boot
+        tick_until(conn, lambda: conn.up, 10)
+        assert conn.boot_ids[0] != first_boot
+        assert attached_runner(daemon) == os.getpid()
+
+        daemon.kill()  # SIGKILL while attached
+        reasons = tick_until(conn, lambda: not conn.up, 5)
+        assert reasons
+    finally:
+        conn.close()
+        daemon.stop()
+
+
+def test_refusing_daemon_is_retried_once_per_interval(short_tmp: Path, cache: ShmKVCache) -> None:
+    """A daemon whose host blocks have another size refuses the attach (LAYOUT_MISMATCH):
+    the connection stays down without raising, and asks again only once per interval."""
+    daemon = start_daemon(short_tmp, "d", short_tmp / "storage", **{"host_cache.block_bytes": 4096})
+    conn = connection(daemon.endpoint, cache)
+    try:
+        assert not conn.start()
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            assert conn.tick() is None and not conn.up
+            time.sleep(0.01)
+        refused = metric(daemon, "cachexferd_commands_total", op="attach", outcome="layout_mismatch")
+        assert 1 <= refused <= 1 + 1.0 / INTERVAL + 1, f"{refused} attach attempts in 1 s"
+    finally:
+        conn.close()
+        daemon.stop()
