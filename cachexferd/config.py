@@ -55,10 +55,11 @@ class DaemonConfig:
         default="auto", metadata=_meta("copy backend: cpu, cuda, or auto", choices=("auto", "cpu", "cuda"))
     )
     runtime_dir: str = field(
-        default="", metadata=_meta("directory for ipc sockets (mode 0700); empty: see docs/operations.md")
+        default="", metadata=_meta("directory for ipc sockets (0700, 0750 with access.group); see docs/operations.md")
     )
     endpoint: str = field(
-        default="", metadata=_meta("command socket; empty: ipc://<runtime_dir>/cmd.sock; tcp only on loopback")
+        default="",
+        metadata=_meta("command socket; empty: ipc://<runtime_dir>/cmd.sock; tcp off loopback needs [access] CURVE"),
     )
     drain_timeout_s: float = field(
         default=10.0, metadata=_meta("shutdown/detach drain limit before failing the rest", lo=0.0)
@@ -151,12 +152,33 @@ class StorageConfig:
 
 
 @dataclass(frozen=True)
+class AccessConfig:
+    """Who may command the daemon; docs/operations.md, "Access control"."""
+
+    group: str = field(
+        default="",
+        metadata=_meta("group (name or gid) whose members may connect: dir 0750, socket 0660; empty: 0700/0600"),
+    )
+    curve_secret_key: str = field(
+        default="", metadata=_meta("CURVE: this daemon's secret key file (cachexferd keys generate); tcp off loopback")
+    )
+    curve_clients: str = field(default="", metadata=_meta("CURVE: directory of the allowed clients' public key files"))
+    insecure_tcp: bool = field(
+        default=False, metadata=_meta("accept plaintext tcp off loopback (anyone reaching the port has control)")
+    )
+    abstract_ipc: bool = field(
+        default=False, metadata=_meta("accept ipc://@name endpoints (no file permissions: any local user may connect)")
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     host_cache: HostCacheConfig = field(default_factory=HostCacheConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     cuda: CudaConfig = field(default_factory=CudaConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    access: AccessConfig = field(default_factory=AccessConfig)
 
     @property
     def runtime_dir(self) -> Path:
@@ -180,22 +202,8 @@ TABLES: dict[str, type] = {
     "metrics": MetricsConfig,
     "cuda": CudaConfig,
     "storage": StorageConfig,
+    "access": AccessConfig,
 }
-
-
-_LOOPBACK = re.compile(r"^tcp://(127\.\d+\.\d+\.\d+|localhost|\[::1\]):\d+$")
-
-
-def validate_endpoint(endpoint: str) -> None:
-    """ipc:// anywhere; tcp:// only on loopback until CURVE authentication exists."""
-    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
-        return
-    if endpoint.startswith("tcp://") and _LOOPBACK.match(endpoint):
-        return
-    raise ConfigError(
-        f"daemon.endpoint {endpoint!r} must be ipc://PATH or tcp://LOOPBACK:PORT "
-        "(remote tcp needs CURVE, which this version does not provide)"
-    )
 
 
 def default_runtime_dir(rank: int) -> str:
@@ -278,7 +286,12 @@ class _Layers:
             kwargs = {k: _convert(name, by_name[k], v, src) for k, (v, src) in self.values[name].items()}
             tables[name] = cls(**kwargs)
         config = Config(**tables)
-        validate_endpoint(config.endpoint)
+        from .security import AccessError, check_access
+
+        try:
+            check_access(config)
+        except AccessError as exc:
+            raise ConfigError(str(exc)) from None
         return config
 
 

@@ -22,6 +22,7 @@ from ..protocol import (
     encode_body,
     encode_command,
 )
+from ..security import CurveClientKeys, needs_ipv6
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,21 @@ class ClientError(RuntimeError):
         self.code, self.detail, self.rank = code, detail, rank
 
 
-def make_dealer(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
+_HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+def make_dealer(ctx: zmq.Context[Any], endpoint: str, curve: CurveClientKeys | None = None) -> zmq.Socket[Any]:
+    """A DEALER connected to ``endpoint``; ``curve`` (security.load_client_keys) for a daemon
+    that serves tcp with CURVE."""
     sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
     for option, value in SOCKET_OPTIONS.items():
         sock.setsockopt(option, value)
+    if needs_ipv6(endpoint):
+        sock.setsockopt(zmq.IPV6, 1)
+    if curve is not None:
+        curve.apply(sock)
     sock.connect(endpoint)
     return sock
 
@@ -63,10 +75,14 @@ def make_dealer(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
 class Link:
     """Commands to one daemon over a DEALER; ``index`` is the position in the client's list."""
 
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str, index: int = 0) -> None:
+    def __init__(
+        self, ctx: zmq.Context[Any], endpoint: str, index: int = 0, curve: CurveClientKeys | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.index = index
-        self.sock = make_dealer(ctx, endpoint)
+        self.sock = make_dealer(ctx, endpoint, curve)
+        # With CURVE a refused key looks like silence; the socket's monitor says why.
+        self._monitor = self.sock.get_monitor_socket(_HANDSHAKE_FAILURES) if curve is not None else None
         self.boot_id: str | None = None
         self.rank: int | None = None
         self.info: dict[str, Any] = {}
@@ -103,7 +119,10 @@ class Link:
         try:
             self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            raise ClientError(ErrorCode.SEND_FAILED, f"send to {self.endpoint} failed: {exc}") from None
+            # A refused CURVE handshake ends the connection: sends fail then, say why.
+            raise ClientError(
+                ErrorCode.SEND_FAILED, f"send to {self.endpoint} failed: {exc}{self.handshake_failure()}"
+            ) from None
 
     def recv_nowait(self) -> Outcome | None:
         """One decoded reply, or None when nothing is waiting. Garbage is logged and skipped."""
@@ -125,7 +144,8 @@ class Link:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 raise ClientError(
-                    ErrorCode.CLIENT_TIMEOUT, f"no reply to {cmd.TYPE.name} from {self.endpoint} in {timeout_s}s"
+                    ErrorCode.CLIENT_TIMEOUT,
+                    f"no reply to {cmd.TYPE.name} from {self.endpoint} in {timeout_s}s{self.handshake_failure()}",
                 )
             outcome = self.recv_nowait()
             if outcome is None:
@@ -138,7 +158,26 @@ class Link:
     def remember_hello(self, outcome: Outcome) -> None:
         self.boot_id, self.rank, self.info = outcome.boot_id, outcome.rank, outcome.result
 
+    def handshake_failure(self) -> str:
+        """'' or why the daemon refused our CURVE handshake (e.g. our key is not allowed)."""
+        if self._monitor is None:
+            return ""
+        from zmq.utils.monitor import recv_monitor_message
+
+        failures = []
+        while self._monitor.poll(100):  # the monitor's news may trail the failure by a moment
+            event = recv_monitor_message(self._monitor)
+            failures.append(int(event["event"]))
+        if zmq.EVENT_HANDSHAKE_FAILED_AUTH in failures:
+            return ": the daemon refused our CURVE key (not in its access.curve_clients)"
+        if failures:
+            return ": the CURVE handshake failed (wrong daemon public key?)"
+        return ""
+
     def close(self) -> None:
+        if self._monitor is not None:
+            self.sock.disable_monitor()
+            self._monitor.close(0)
         self.sock.close(0)
 
 

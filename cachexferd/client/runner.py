@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import zmq
 
 from ..protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR, Attach, Detach, Hello, KVLayout, Status
+from ..security import client_keys_or_none, group_id
 from .link import Link, check_ok
 
 if TYPE_CHECKING:
@@ -67,9 +68,13 @@ class KVTensors:
 
 
 class ShmKVCache(KVTensors):
-    """A device KV cache for the cpu backend, in /dev/shm, owned (and unlinked) by the runner."""
+    """A device KV cache for the cpu backend, in /dev/shm, owned (and unlinked) by the runner.
 
-    def __init__(self, layout: KVLayout, name: str | None = None) -> None:
+    The segment is private to the runner's user (0600). A daemon that runs as another user
+    (a systemd service) maps it through a shared ``group`` (name or gid, usually the daemon's
+    ``access.group``): the segment is then 0660 and owned by that group."""
+
+    def __init__(self, layout: KVLayout, name: str | None = None, group: str | int | None = None) -> None:
         import torch
 
         self.layout = layout
@@ -78,9 +83,15 @@ class ShmKVCache(KVTensors):
         size = layout.num_tensors * layout.tensor_bytes
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            if group is not None:  # widened only after the group is set: never readable by others
+                os.fchown(fd, -1, group if isinstance(group, int) else group_id(group))
+                os.fchmod(fd, 0o660)
             os.ftruncate(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
         storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(self.path, shared=True, nbytes=size))
         flat = torch.empty(0, dtype=torch.uint8).set_(storage)
         self.offsets = [t * layout.tensor_bytes for t in range(layout.num_tensors)]
@@ -108,9 +119,20 @@ class ShmKVCache(KVTensors):
 class RunnerClient:
     """Attach/detach calls for one model runner and its local daemon."""
 
-    def __init__(self, endpoint: str, *, name: str = "runner", timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        name: str = "runner",
+        timeout_s: float = 60.0,
+        server_key: str | os.PathLike[str] | None = None,
+        client_key: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """``server_key`` (the daemon's public key file) and ``client_key`` (this client's
+        secret key file) for a daemon that serves tcp with CURVE."""
+        curve = client_keys_or_none(server_key, client_key)
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.link = Link(self.ctx, endpoint)
+        self.link = Link(self.ctx, endpoint, curve=curve)
         self.timeout_s = timeout_s
         self._next = 0
         hello = Hello(
@@ -120,8 +142,12 @@ class RunnerClient:
             role="runner",
             pid=os.getpid(),
         )
-        outcome = self.link.call(hello, timeout_s)
-        check_ok(outcome)
+        try:
+            outcome = self.link.call(hello, timeout_s)
+            check_ok(outcome)
+        except BaseException:
+            self.close()
+            raise
         self.link.remember_hello(outcome)
 
     def _req_id(self) -> int:

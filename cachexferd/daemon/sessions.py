@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import zmq
 
 from ..protocol import ErrorCode, ProtocolError
+from ..security import needs_ipv6
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,9 @@ class Session:
 
 
 class EventSinks:
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], allow_abstract: bool = False) -> None:
         self._ctx = ctx
+        self._allow_abstract = allow_abstract  # access.abstract_ipc
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
 
     def open(self, endpoint: str) -> None:
@@ -45,9 +47,17 @@ class EventSinks:
             raise ProtocolError(
                 ErrorCode.BAD_FIELD, f"events endpoint {endpoint!r} must be ipc://PATH or tcp://LOOPBACK:PORT"
             )
+        if endpoint.startswith("ipc://@") and not self._allow_abstract:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"events endpoint {endpoint!r} is an abstract-namespace socket, which any local user could bind "
+                "first; use a path (or the daemon must set access.abstract_ipc = true)",
+            )
         if endpoint in self._sockets:
             return
         sock = self._ctx.socket(zmq.PUSH)
+        if needs_ipv6(endpoint):
+            sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.SNDHWM, _EVENT_HWM)
         sock.setsockopt(zmq.LINGER, _EVENT_LINGER_MS)
         try:
