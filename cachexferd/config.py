@@ -146,8 +146,11 @@ class StorageConfig:
         default=4, metadata=_meta("storage I/O threads: backend calls that run at once", lo=1, hi=64)
     )
     checksum: str = field(
-        default="sum64",
-        metadata=_meta("payload checksum of new objects: sum64 (memory speed) or crc32", choices=("sum64", "crc32")),
+        default="crc32",
+        metadata=_meta(
+            "payload checksum of new objects: crc32, or sum64 (faster, misses reordered sectors); reads take both",
+            choices=("crc32", "sum64"),
+        ),
     )
 
 
