@@ -339,7 +339,7 @@ def _split_env(var: str) -> tuple[str, str]:
     for table in sorted(TABLES, key=len, reverse=True):
         if rest.startswith(table + "_"):
             return table, rest[len(table) + 1 :]
-    raise _unknown(rest.split("_")[0], list(TABLES), "table", f"env {var}")
+    raise _unknown(rest.split("_")[0], list(TABLES), "table", f"env {var} (CACHEXFERD_<TABLE>_<KEY>)")
 
 
 def describe() -> list[tuple[str, Any, str]]:
