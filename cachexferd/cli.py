@@ -237,10 +237,13 @@ def _add_status(sub: Any) -> None:
     p.add_argument("--rank", default=None, help="daemon.rank, to find the default endpoint")
     p.add_argument("--config", default=os.environ.get("CACHEXFERD_CONFIG"))
     p.add_argument("--json", action="store_true", help="print the raw status map")
+    p.add_argument("--server-key", help="CURVE: the daemon's public key file (tcp with CURVE)")
+    p.add_argument("--client-key", help="CURVE: this client's secret key file")
     p.add_argument("--timeout", type=float, default=5.0)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from .security import client_keys_or_none
     from .status import fetch_status, format_status, no_status_hint
 
     endpoint = args.endpoint
@@ -251,7 +254,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             return _refuse(f"invalid configuration: {exc}")
     try:
-        status = fetch_status(endpoint, args.timeout)
+        status = fetch_status(endpoint, args.timeout, client_keys_or_none(args.server_key, args.client_key))
     except Exception as exc:
         print(f"cachexferd: no status from {endpoint}: {exc}{no_status_hint(endpoint)}", file=sys.stderr)
         return EXIT_FAILURE
@@ -271,9 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_status(sub)
     from .bench.cli import add_bench
     from .demo import add_demo
+    from .keys_cli import add_keys
 
     add_demo(sub)
     add_bench(sub)
+    add_keys(sub)
     args = parser.parse_args(argv)
     handler = {"serve": cmd_serve, "status": cmd_status}.get(args.command) or args.func
     result: int = handler(args)

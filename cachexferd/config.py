@@ -59,10 +59,11 @@ class DaemonConfig:
         default="auto", metadata=_meta("copy backend: cpu, cuda, or auto", choices=("auto", "cpu", "cuda"))
     )
     runtime_dir: str = field(
-        default="", metadata=_meta("directory for ipc sockets (mode 0700); empty: see docs/operations.md")
+        default="", metadata=_meta("directory for ipc sockets (0700, 0750 with access.group); see docs/operations.md")
     )
     endpoint: str = field(
-        default="", metadata=_meta("command socket; empty: ipc://<runtime_dir>/cmd.sock; tcp only on loopback")
+        default="",
+        metadata=_meta("command socket; empty: ipc://<runtime_dir>/cmd.sock; tcp off loopback needs [access] CURVE"),
     )
     drain_timeout_s: float = field(
         default=10.0, metadata=_meta("shutdown/detach drain limit before failing the rest", lo=0.0)
@@ -160,8 +161,31 @@ class StorageConfig:
         default=4, metadata=_meta("storage I/O threads: backend calls that run at once", lo=1, hi=64)
     )
     checksum: str = field(
-        default="sum64",
-        metadata=_meta("payload checksum of new objects: sum64 (memory speed) or crc32", choices=("sum64", "crc32")),
+        default="crc32",
+        metadata=_meta(
+            "payload checksum of new objects: crc32, or sum64 (faster, misses reordered sectors); reads take both",
+            choices=("crc32", "sum64"),
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class AccessConfig:
+    """Who may command the daemon; docs/operations.md, "Access control"."""
+
+    group: str = field(
+        default="",
+        metadata=_meta("group (name or gid) whose members may connect: dir 0750, socket 0660; empty: 0700/0600"),
+    )
+    curve_secret_key: str = field(
+        default="", metadata=_meta("CURVE: this daemon's secret key file (cachexferd keys generate); tcp off loopback")
+    )
+    curve_clients: str = field(default="", metadata=_meta("CURVE: directory of the allowed clients' public key files"))
+    insecure_tcp: bool = field(
+        default=False, metadata=_meta("accept plaintext tcp off loopback (anyone reaching the port has control)")
+    )
+    abstract_ipc: bool = field(
+        default=False, metadata=_meta("accept ipc://@name endpoints (no file permissions: any local user may connect)")
     )
 
 
@@ -172,6 +196,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     cuda: CudaConfig = field(default_factory=CudaConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    access: AccessConfig = field(default_factory=AccessConfig)
     # Where each value that is not a default came from ('table.key' -> file, env or flag),
     # so later checks (cachexferd.preflight) can name it too. Not a setting.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -207,22 +232,8 @@ TABLES: dict[str, type] = {
     "metrics": MetricsConfig,
     "cuda": CudaConfig,
     "storage": StorageConfig,
+    "access": AccessConfig,
 }
-
-
-_LOOPBACK = re.compile(r"^tcp://(127\.\d+\.\d+\.\d+|localhost|\[::1\]):\d+$")
-
-
-def validate_endpoint(endpoint: str) -> None:
-    """ipc:// anywhere; tcp:// only on loopback until CURVE authentication exists."""
-    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
-        return
-    if endpoint.startswith("tcp://") and _LOOPBACK.match(endpoint):
-        return
-    raise ConfigError(
-        f"daemon.endpoint {endpoint!r} must be ipc://PATH or tcp://LOOPBACK:PORT "
-        "(remote tcp needs CURVE, which this version does not provide)"
-    )
 
 
 def default_runtime_dir(rank: int) -> str:
@@ -336,7 +347,12 @@ class _Layers:
             tables[name] = cls(**kwargs)
         sources = {f"{t}.{k}": src for t, values in self.values.items() for k, (_, src) in values.items()}
         config = Config(**tables, sources=sources)
-        validate_endpoint(config.endpoint)
+        from .security import AccessError, check_access
+
+        try:
+            check_access(config)
+        except AccessError as exc:
+            raise ConfigError(str(exc)) from None
         validate_storage(config)
         return config
 
@@ -392,7 +408,7 @@ def _split_env(var: str) -> tuple[str, str]:
     for table in sorted(TABLES, key=len, reverse=True):
         if rest.startswith(table + "_"):
             return table, rest[len(table) + 1 :]
-    raise _unknown(rest.split("_")[0], list(TABLES), "table", f"env {var}")
+    raise _unknown(rest.split("_")[0], list(TABLES), "table", f"env {var} (CACHEXFERD_<TABLE>_<KEY>)")
 
 
 def describe() -> list[tuple[str, Any, str]]:

@@ -9,11 +9,12 @@ import zmq
 
 from .client.link import Link, check_ok
 from .protocol import Status
+from .security import CurveClientKeys
 
 
-def fetch_status(endpoint: str, timeout_s: float = 5.0) -> dict[str, Any]:
+def fetch_status(endpoint: str, timeout_s: float = 5.0, curve: CurveClientKeys | None = None) -> dict[str, Any]:
     ctx: zmq.Context[Any] = zmq.Context()
-    link = Link(ctx, endpoint)
+    link = Link(ctx, endpoint, curve=curve)
     try:
         return check_ok(link.call(Status(req_id=1), timeout_s))
     finally:

@@ -49,6 +49,9 @@ class InProcessDaemon:
             self.daemon = Daemon(self.config)
             try:
                 await self.daemon.start()
+            except BaseException as exc:
+                self._error = exc  # before _ready: start() must see it
+                raise
             finally:
                 self._ready.set()
             await self.daemon.wait_stop_requested()

@@ -6,8 +6,8 @@ module, and stop them by PID afterwards. Import the fixtures into a test module 
 
 Where a binary is missing the tests skip with the reason; in CI (``CI=true``) the servers
 are part of the contract (.ci/run installs them), so a missing one fails instead. Binary
-lookup and the CACHEXFERD_REDIS_SERVER / CACHEXFERD_MOONCAKE_MASTER /
-CACHEXFERD_MOONCAKE_CLIENT overrides: see cachexferd/storage/servers.py.
+lookup and the CXTEST_REDIS_SERVER / CXTEST_MOONCAKE_MASTER /
+CXTEST_MOONCAKE_CLIENT overrides: see cachexferd/storage/servers.py.
 
 ``python -m tests.servers redis|mooncake`` starts one and prints its address until Ctrl-C.
 """

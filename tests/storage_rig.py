@@ -3,6 +3,7 @@ connected engine client, plus helpers to run storage commands and read storage m
 
 from __future__ import annotations
 
+import struct
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -106,3 +107,25 @@ def key_space(model: str = "test-model", weights: str = "w1", tp_size: int = 1) 
 
 def prompt(n_tokens: int, start: int = 1000) -> list[int]:
     return list(range(start, start + n_tokens))
+
+
+def swap_sectors(payload: bytearray) -> bytearray:
+    """Two 512-byte sectors of one 4 KiB page exchanged (a misdirected write)."""
+    damaged = bytearray(payload)
+    damaged[0:512], damaged[512:1024] = payload[512:1024], payload[0:512]
+    assert damaged != payload
+    return damaged
+
+
+def cancel_flips(payload: bytearray) -> bytearray:
+    """One bit set in one u64 word and the same bit cleared in another word of the same page:
+    every page's word sum stays the same."""
+    damaged = bytearray(payload)
+    words = struct.unpack_from("<64Q", payload)
+    bit = next(b for b in range(64) if any(w >> b & 1 for w in words) and any(not w >> b & 1 for w in words))
+    one = next(i for i, w in enumerate(words) if w >> bit & 1)
+    zero = next(i for i, w in enumerate(words) if not w >> bit & 1)
+    struct.pack_into("<Q", damaged, one * 8, words[one] & ~(1 << bit))
+    struct.pack_into("<Q", damaged, zero * 8, words[zero] | (1 << bit))
+    assert damaged != payload
+    return damaged

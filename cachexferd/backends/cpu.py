@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import itertools
 import os
 import re
+import stat
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ import torch
 
 from ..host_cache import HostGeometry, HostPool
 from ..protocol import ErrorCode, KVLayout, ProtocolError
+from ..security import SegmentPolicy, segment_policy
 from .base import AttachError, Backend, CancelToken, DeviceCache, Direction, SwapRequest
 from .plan import Run, coalesce, even_groups, shard_tagged
 
@@ -74,17 +77,13 @@ def validate_offsets(offsets: Any, layout: KVLayout, segment_bytes: int) -> list
     return offsets
 
 
-def open_segment(name: Any) -> tuple[torch.UntypedStorage, int]:
-    """Maps /dev/shm/<name> shared; refuses to create or grow it."""
-    if type(name) is not str or not _SHM_NAME.match(name):
+def open_segment(name: Any, policy: SegmentPolicy | None = None) -> tuple[torch.UntypedStorage, int]:
+    """Maps /dev/shm/<name> shared; refuses to create or grow it, and (see _open_checked) to
+    map anything but a regular file there that ``policy`` allows."""
+    if type(name) is not str or not _SHM_NAME.match(name) or name in (".", ".."):
         raise AttachError("device.name must be 1-200 chars of [A-Za-z0-9._-]", ErrorCode.BAD_FIELD)
-    path = os.path.join(SHM_DIR, name)
+    fd, size = _open_checked(name, policy or SegmentPolicy())
     try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError as exc:
-        raise AttachError(f"cannot open shared memory {name!r}: {exc.strerror}") from None
-    try:
-        size = os.fstat(fd).st_size
         if size == 0:
             raise AttachError(f"shared memory {name!r} is empty")
         # Map through our fd so a name swapped after the open cannot redirect the mapping.
@@ -96,13 +95,40 @@ def open_segment(name: Any) -> tuple[torch.UntypedStorage, int]:
     return storage, size
 
 
+def _open_checked(name: str, policy: SegmentPolicy) -> tuple[int, int]:
+    """(fd, size) of /dev/shm/<name>. The daemon opens it with its own rights, so it checks
+    what the asking process could not have opened itself: a symbolic link (to a root-only
+    file, say) is never followed, special files are never opened (a FIFO could block), and
+    the opened file's owner must satisfy ``policy`` (fstat of the fd: no swap in between)."""
+    path = os.path.join(SHM_DIR, name)
+    try:
+        mode = os.lstat(path).st_mode
+        if stat.S_ISREG(mode):
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # replaced by a link after the lstat
+            mode = stat.S_IFLNK
+        else:
+            raise AttachError(f"cannot open shared memory {name!r}: {exc.strerror}") from None
+    if stat.S_ISLNK(mode):
+        raise AttachError(f"shared memory {name!r} is a symbolic link; segments must be regular files")
+    if not stat.S_ISREG(mode):
+        raise AttachError(f"shared memory {name!r} is not a regular file")
+    st = os.fstat(fd)
+    refusal = policy.refusal(st)
+    if refusal is not None:
+        os.close(fd)
+        raise AttachError(f"shared memory {name!r} {refusal}")
+    return fd, st.st_size
+
+
 class CpuDeviceCache(DeviceCache):
     inline_bytes = _INLINE_BYTES
 
     def __init__(self, backend: CpuBackend, layout: KVLayout, device: dict[str, Any], host: torch.Tensor) -> None:
         if device.get("kind") != "shm":
             raise AttachError("cpu backend needs device.kind = 'shm'", ErrorCode.BAD_FIELD)
-        storage, size = open_segment(device.get("name"))
+        storage, size = open_segment(device.get("name"), segment_policy(device))
         self.layout = layout
         self.segment = str(device["name"])
         offsets = validate_offsets(device.get("offsets"), layout, size)

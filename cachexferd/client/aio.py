@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from ..protocol import Command, ErrorCode, MsgType, Outcome, Shutdown, Status, encode_body, encode_command
+from ..security import needs_ipv6
 from .commands import CommandMethods, Fields
 from .core import EngineCore
 from .engine import default_events_endpoint
@@ -51,6 +52,8 @@ class AsyncEngineClient(CommandMethods[asyncio.Future[Completion]]):
             sock = self.ctx.socket(zmq.DEALER)
             for option, value in SOCKET_OPTIONS.items():
                 sock.setsockopt(option, value)
+            if needs_ipv6(endpoint):
+                sock.setsockopt(zmq.IPV6, 1)
             sock.connect(endpoint)
             self.dealers.append(sock)
         self.endpoints = list(endpoints)

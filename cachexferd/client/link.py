@@ -22,6 +22,7 @@ from ..protocol import (
     encode_body,
     encode_command,
 )
+from ..security import CurveClientKeys, needs_ipv6
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,21 @@ class ClientError(RuntimeError):
         self.code, self.detail, self.rank = code, detail, rank
 
 
-def make_dealer(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
+_HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+def make_dealer(ctx: zmq.Context[Any], endpoint: str, curve: CurveClientKeys | None = None) -> zmq.Socket[Any]:
+    """A DEALER connected to ``endpoint``; ``curve`` (security.load_client_keys) for a daemon
+    that serves tcp with CURVE."""
     sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
     for option, value in SOCKET_OPTIONS.items():
         sock.setsockopt(option, value)
+    if needs_ipv6(endpoint):
+        sock.setsockopt(zmq.IPV6, 1)
+    if curve is not None:
+        curve.apply(sock)
     sock.connect(endpoint)
     return sock
 
@@ -63,16 +75,21 @@ def make_dealer(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
 class Link:
     """Commands to one daemon over a DEALER; ``index`` is the position in the client's list."""
 
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str, index: int = 0) -> None:
+    def __init__(
+        self, ctx: zmq.Context[Any], endpoint: str, index: int = 0, curve: CurveClientKeys | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.index = index
-        self.sock = make_dealer(ctx, endpoint)
+        self.sock = make_dealer(ctx, endpoint, curve)
         self.boot_id: str | None = None
         self.rank: int | None = None
         self.info: dict[str, Any] = {}
         self.outbox: list[tuple[MsgType, dict[str, Any]]] = []  # queued for one BATCH envelope
-        # Connection events, so a daemon that dies is noticed at once, not at a timeout.
-        self.monitor: zmq.Socket[Any] = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # Connection events: a daemon that dies is noticed at once, not at a timeout; and with
+        # CURVE, a refused key (which looks like silence) is explained.
+        events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILURES
+        self.monitor: zmq.Socket[Any] = self.sock.get_monitor_socket(events)
+        self._handshake_failures: list[int] = []
 
     @property
     def batches(self) -> bool:
@@ -105,7 +122,10 @@ class Link:
         try:
             self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            raise ClientError(ErrorCode.SEND_FAILED, f"send to {self.endpoint} failed: {exc}") from None
+            # A refused CURVE handshake ends the connection: sends fail then, say why.
+            raise ClientError(
+                ErrorCode.SEND_FAILED, f"send to {self.endpoint} failed: {exc}{self.handshake_failure()}"
+            ) from None
 
     def recv_nowait(self) -> Outcome | None:
         """One decoded reply, or None when nothing is waiting. Garbage is logged and skipped."""
@@ -127,7 +147,8 @@ class Link:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 raise ClientError(
-                    ErrorCode.CLIENT_TIMEOUT, f"no reply to {cmd.TYPE.name} from {self.endpoint} in {timeout_s}s"
+                    ErrorCode.CLIENT_TIMEOUT,
+                    f"no reply to {cmd.TYPE.name} from {self.endpoint} in {timeout_s}s{self.handshake_failure()}",
                 )
             outcome = self.recv_nowait()
             if outcome is None:
@@ -141,15 +162,30 @@ class Link:
         self.boot_id, self.rank, self.info = outcome.boot_id, outcome.rank, outcome.result
 
     def connection_events(self) -> list[int]:
-        """zmq.EVENT_CONNECTED / EVENT_DISCONNECTED seen since the last call, in order."""
+        """zmq.EVENT_CONNECTED / EVENT_DISCONNECTED seen since the last call, in order
+        (handshake failures are kept aside for ``handshake_failure``)."""
         events: list[int] = []
         while int(self.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             try:
                 frames = self.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return events
-            events.append(int.from_bytes(frames[0][:2], "little"))
+                break
+            event = int.from_bytes(frames[0][:2], "little")
+            if event & _HANDSHAKE_FAILURES:
+                self._handshake_failures.append(event)
+            else:
+                events.append(event)
         return events
+
+    def handshake_failure(self) -> str:
+        """'' or why the daemon refused our CURVE handshake (e.g. our key is not allowed)."""
+        if self.monitor.poll(100):  # the monitor's news may trail the failure by a moment
+            self.connection_events()
+        if zmq.EVENT_HANDSHAKE_FAILED_AUTH in self._handshake_failures:
+            return ": the daemon refused our CURVE key (not in its access.curve_clients)"
+        if self._handshake_failures:
+            return ": the CURVE handshake failed (wrong daemon public key?)"
+        return ""
 
     def close(self) -> None:
         self.sock.disable_monitor()

@@ -38,6 +38,7 @@ from ..protocol import (
     SetWeights,
     Status,
 )
+from ..security import client_keys_or_none, group_id
 from .link import ClientError, Link, check_ok
 
 if TYPE_CHECKING:
@@ -80,9 +81,13 @@ class KVTensors:
 
 
 class ShmKVCache(KVTensors):
-    """A device KV cache for the cpu backend, in /dev/shm, owned (and unlinked) by the runner."""
+    """A device KV cache for the cpu backend, in /dev/shm, owned (and unlinked) by the runner.
 
-    def __init__(self, layout: KVLayout, name: str | None = None) -> None:
+    The segment is private to the runner's user (0600). A daemon that runs as another user
+    (a systemd service) maps it through a shared ``group`` (name or gid, usually the daemon's
+    ``access.group``): the segment is then 0660 and owned by that group."""
+
+    def __init__(self, layout: KVLayout, name: str | None = None, group: str | int | None = None) -> None:
         import torch
 
         self.layout = layout
@@ -94,9 +99,15 @@ class ShmKVCache(KVTensors):
         # collected, or at interpreter exit, whichever comes first.
         self._unlink = weakref.finalize(self, _unlink_quietly, self.path)
         try:
+            if group is not None:  # widened only after the group is set: never readable by others
+                os.fchown(fd, -1, group if isinstance(group, int) else group_id(group))
+                os.fchmod(fd, 0o660)
             os.ftruncate(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
         storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(self.path, shared=True, nbytes=size))
         flat = torch.empty(0, dtype=torch.uint8).set_(storage)
         self.offsets = [t * layout.tensor_bytes for t in range(layout.num_tensors)]
@@ -139,9 +150,20 @@ class WeightUpdate:
 class RunnerClient:
     """Attach/detach calls for one model runner and its local daemon."""
 
-    def __init__(self, endpoint: str, *, name: str = "runner", timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        name: str = "runner",
+        timeout_s: float = 60.0,
+        server_key: str | os.PathLike[str] | None = None,
+        client_key: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """``server_key`` (the daemon's public key file) and ``client_key`` (this client's
+        secret key file) for a daemon that serves tcp with CURVE."""
+        curve = client_keys_or_none(server_key, client_key)
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.link = Link(self.ctx, endpoint)
+        self.link = Link(self.ctx, endpoint, curve=curve)
         self.timeout_s = timeout_s
         self._next = 0
         hello = Hello(
@@ -151,8 +173,12 @@ class RunnerClient:
             role="runner",
             pid=os.getpid(),
         )
-        outcome = self.link.call(hello, timeout_s)
-        check_ok(outcome)
+        try:
+            outcome = self.link.call(hello, timeout_s)
+            check_ok(outcome)
+        except BaseException:
+            self.close()
+            raise
         self.link.remember_hello(outcome)
 
     def _req_id(self) -> int:

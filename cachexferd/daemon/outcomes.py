@@ -102,3 +102,4 @@ class Outcomes:
                 chunk = entries[start : start + Limits.MAX_BATCH]
                 if not self.sinks.send(endpoint, encode_event_batch(self.boot_id, self.rank, chunk)):
                     self.metrics.events_dropped.inc(len(chunk))
+        self.sinks.close_retired()

@@ -34,7 +34,9 @@ from ..backends import load_backend
 from ..backends.base import Backend
 from ..config import Config
 from ..metrics import DaemonMetrics
-from ..protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR, Command, ErrorCode, Limits, ProtocolError
+from ..protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR, Command, ErrorCode, Limits, MsgType, ProtocolError
+from ..security import AccessError
+from .access import AccessControl
 from .device import DeviceSlot
 from .dispatch import Dispatcher
 from .handlers import Handlers
@@ -102,7 +104,8 @@ class Daemon:
             raise DaemonError(str(exc)) from None
         self.ordering = BlockOrdering()
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.sinks = EventSinks(self.ctx)
+        self.access = AccessControl(config, self.ctx)
+        self.sinks = EventSinks(self.ctx, allow_abstract=config.access.abstract_ipc)
         self.sessions = Sessions(self.sinks)
         self.outcomes = Outcomes(self.boot_id, self.rank, self.metrics, self.sessions, self.sinks, self._reply)
         self.device = DeviceSlot(self.backend, self.host, self.ordering, self.metrics, config.daemon, self.spawn)
@@ -111,6 +114,7 @@ class Daemon:
             config, self.device, self.host, self.storage, self.sessions, self.metrics, self.status, self.request_stop,
             self.pausing,
         )  # fmt: skip
+        handlers.sync[MsgType.ATTACH] = self.access.guard_attach(handlers.sync[MsgType.ATTACH])
         self.jobs = Jobs(self.ordering, self.metrics, self._job_done)
         self.dispatcher = Dispatcher(
             handlers, self.jobs, self.outcomes, self.sessions, config.daemon.max_inflight, self._admit, self.spawn
@@ -134,6 +138,7 @@ class Daemon:
                 port = self.metrics.serve(self.config.metrics.host, self.config.metrics_port)
                 log.info("metrics on http://%s:%d/metrics", self.config.metrics.host, port)
             self.router = self._bind_router()
+            self.access.log_warnings()
             if self.storage is not None:
                 self.storage.start()
         except BaseException:
@@ -217,13 +222,14 @@ class Daemon:
                 asyncio.get_running_loop().remove_reader(self.router.fileno())
             self.router.close(linger=100)
         self.sinks.close()
+        self.access.close()
         # term() waits for the lingering event sockets to flush: keep it off the loop.
         await asyncio.get_running_loop().run_in_executor(None, self.ctx.term)
 
     def _prepare_runtime_dir(self) -> None:
         runtime = self.config.runtime_dir
         try:
-            runtime.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.access.prepare_runtime_dir(runtime)
             self._lock_file = open(runtime / "daemon.lock", "a+")  # noqa: SIM115 (held for the process lifetime)
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -233,8 +239,8 @@ class Daemon:
             raise DaemonError(f"another cachexferd is running with runtime dir {runtime}") from None
         except OSError as exc:
             raise DaemonError(f"runtime dir {runtime}: {exc.strerror}") from None
-        if runtime.stat().st_mode & 0o007:
-            log.warning("runtime dir %s is accessible to all users; sockets inside it are not private", runtime)
+        except AccessError as exc:
+            raise DaemonError(str(exc)) from None
         self._lock_file.truncate(0)
         self._lock_file.write(f"{os.getpid()}\n")
         self._lock_file.flush()
@@ -269,15 +275,19 @@ class Daemon:
         router.setsockopt(zmq.SNDHWM, _ROUTER_HWM)
         router.setsockopt(zmq.LINGER, 0)
         try:
+            self.access.configure_router(router)
             router.bind(self.config.endpoint)
-        except zmq.ZMQError as exc:
+            self.access.secure_socket()
+        except (zmq.ZMQError, AccessError) as exc:
             router.close(0)
             raise DaemonError(f"cannot bind {self.config.endpoint}: {exc}") from None
         return router
 
     def _ipc_path(self) -> Path | None:
         endpoint = self.config.endpoint
-        return Path(endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
+        if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):  # abstract sockets have no file
+            return None
+        return Path(endpoint[len("ipc://") :])
 
     def _remove_ipc_file(self) -> None:
         path = self._ipc_path()
@@ -306,13 +316,15 @@ class Daemon:
         if router is None or router.closed:
             return
         for _ in range(_RECEIVE_BATCH):
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
+            try:  # the first frame (the identity) as a Frame: its metadata names the peer
+                first = router.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
+            frames = router.recv_multipart(zmq.NOBLOCK) if first.more else []  # all parts arrive together
+            identity = self.access.peers.note(first, frames[0] if frames else b"")
             self._last_receive = now = time.monotonic()
             try:
-                self.dispatcher.on_frames(frames[0], frames[1:], now)
+                self.dispatcher.on_frames(identity, frames, now)
             except Exception:  # never let one message stop the daemon
                 log.exception("unhandled error dispatching a message")
         self._check_readable()

@@ -18,6 +18,7 @@ from pathlib import Path
 import zmq
 
 from ..protocol import ErrorCode, ProtocolError
+from ..security import needs_ipv6
 from .pidwatch import PidWatch
 
 log = logging.getLogger(__name__)
@@ -41,18 +42,33 @@ class Session:
 
 
 class EventSinks:
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], allow_abstract: bool = False) -> None:
         self._ctx = ctx
+        self._allow_abstract = allow_abstract  # access.abstract_ipc
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
+        # Endpoints no session names any more, kept until the next flush of outcomes: events
+        # decided (or batched) before a client's new hello still go where it asked then.
+        self._retiring: dict[str, zmq.Socket[bytes]] = {}
 
     def open(self, endpoint: str) -> None:
         if not _EVENT_ENDPOINT.match(endpoint):
             raise ProtocolError(
                 ErrorCode.BAD_FIELD, f"events endpoint {endpoint!r} must be ipc://PATH or tcp://LOOPBACK:PORT"
             )
+        if endpoint.startswith("ipc://@") and not self._allow_abstract:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"events endpoint {endpoint!r} is an abstract-namespace socket, which any local user could bind "
+                "first; use a path (or the daemon must set access.abstract_ipc = true)",
+            )
         if endpoint in self._sockets:
             return
+        if endpoint in self._retiring:
+            self._sockets[endpoint] = self._retiring.pop(endpoint)
+            return
         sock = self._ctx.socket(zmq.PUSH)
+        if needs_ipv6(endpoint):
+            sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.SNDHWM, _EVENT_HWM)
         sock.setsockopt(zmq.LINGER, _EVENT_LINGER_MS)
         try:
@@ -63,7 +79,7 @@ class EventSinks:
         self._sockets[endpoint] = sock
 
     def send(self, endpoint: str, frames: list[bytes]) -> bool:
-        sock = self._sockets.get(endpoint)
+        sock = self._sockets.get(endpoint) or self._retiring.get(endpoint)
         if sock is None:
             return False
         try:
@@ -74,11 +90,20 @@ class EventSinks:
             return False
 
     def retain_only(self, endpoints: set[str]) -> None:
+        """Retires the sockets of endpoints not in ``endpoints`` (closed by close_retired)."""
         for endpoint in list(self._sockets):
             if endpoint not in endpoints:
-                self._sockets.pop(endpoint).close(0)
+                self._retiring[endpoint] = self._sockets.pop(endpoint)
+
+    def close_retired(self) -> None:
+        """Closes retired sockets once the outcomes decided before are sent; the linger lets
+        ZeroMQ deliver what is still queued in them."""
+        for sock in self._retiring.values():
+            sock.close(_EVENT_LINGER_MS)
+        self._retiring.clear()
 
     def close(self) -> None:
+        self.close_retired()
         for sock in self._sockets.values():
             sock.close(_EVENT_LINGER_MS)
         self._sockets.clear()

@@ -271,6 +271,9 @@ class StorageTier:
         self.metrics.storage_errors.labels("backend").inc()
         if isinstance(exc, StorageFailure):
             return ProtocolError(ErrorCode.STORAGE_ERROR, str(exc))
+        if isinstance(exc, OSError):  # the system refused (read-only, full, permissions): not a bug
+            log.warning("%s: the %s backend failed: %s", op, self.backend.name, exc)
+            return ProtocolError(ErrorCode.STORAGE_ERROR, f"{op} failed: {exc.strerror or exc}")
         log.exception("%s: unexpected error from the %s backend", op, self.backend.name, exc_info=exc)
         return ProtocolError(ErrorCode.STORAGE_ERROR, f"{type(exc).__name__}: {exc}")
 

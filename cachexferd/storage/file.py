@@ -38,7 +38,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .base import MISSING, GetItem, GetResult, GetStatus, PutItem, StorageBackend, StorageUnavailable
+from .base import MISSING, GetItem, GetResult, GetStatus, PutItem, StorageBackend, StorageFailure, StorageUnavailable
 from .objects import HEADER_BYTES
 
 if TYPE_CHECKING:
@@ -306,7 +306,7 @@ class FileBackend(StorageBackend):
 
     def delete(self, names: list[str]) -> int:
         self._ensure_root()
-        removed = 0
+        removed, failed = 0, []
         for name in names:
             path = object_path(self._root, name)
             self.index.discard(path)
@@ -315,6 +315,10 @@ class FileBackend(StorageBackend):
                 removed += 1
             except FileNotFoundError:
                 pass
+            except OSError as exc:  # read-only file system, permissions: the command's error
+                failed.append(exc.strerror or str(exc))
+        if failed:
+            raise StorageFailure(f"{len(failed)} of {len(names)} objects not deleted ({removed} were): {failed[0]}")
         return removed
 
     def describe(self) -> dict[str, Any]:

@@ -17,14 +17,15 @@ must not put in its cache. All fields little-endian::
     44     4     header crc32     zlib.crc32 of bytes 0..43
     48     16    zero
 
-Checksums. ``crc32`` is zlib's CRC-32; it runs at ~6 GB/s per core on this project's
-machine, slower than reading a block from the page cache, so it halves load throughput
-there. ``sum64`` (the default) runs at memory speed (~35 GB/s per core cold, ~70 hot): read
-the payload, zero-padded to a multiple of 8, as little-endian u64 words; S_p is the sum of
-page p's words (512 words = 4 KiB per page, the last page may be shorter), A = sum of S_p,
-B = sum of (p + 1) * S_p, all modulo 2**64; sum64 = A xor rotl64(B, 32). It catches bit
-flips, zeroed or missing ranges and pages moved within the object; unlike a CRC it can miss
-two errors that cancel exactly, which storage and TCP corruption do not produce.
+Checksums. ``crc32`` (the default) is zlib's CRC-32: it catches every error burst up to 32
+bits, any reordering of the payload, and all but 2**-32 of other corruptions. ``sum64`` is
+the checksum of earlier versions, still read (the header names the kind) and still writable
+on request because it runs at memory speed: read the payload, zero-padded to a multiple of
+8, as little-endian u64 words; S_p is the sum of page p's words (512 words = 4 KiB per page,
+the last page may be shorter), A = sum of S_p, B = sum of (p + 1) * S_p, all modulo 2**64;
+sum64 = A xor rotl64(B, 32). Its page sums are blind to order: it misses data moved within a
+4 KiB page (two 512-byte sectors swapped by a disk or a file system) and bit flips that
+cancel (one bit set in one word, the same bit cleared in another of the same page).
 
 A reader classifies what it got: ``OK``; ``CORRUPT`` (bad magic, header or payload checksum,
 wrong length on the wire, or an object stored under another name); ``MISMATCH`` (a valid
@@ -134,7 +135,7 @@ class ObjectCodec:
 
     fingerprint: str
     block_bytes: int
-    checksum: Checksum = Checksum.SUM64  # what new objects carry; readers accept either
+    checksum: Checksum = Checksum.CRC32  # what new objects carry; readers accept either
 
     @property
     def object_bytes(self) -> int:

@@ -6,9 +6,11 @@ stopped by its PID (SIGTERM, then SIGKILL). Binaries are looked up in this order
 environment override, PATH, the directory of the running Python (a virtualenv's bin/), and
 the installed ``mooncake`` package::
 
-    CACHEXFERD_REDIS_SERVER     redis-server or valkey-server (Debian: apt install redis-server)
-    CACHEXFERD_MOONCAKE_MASTER  mooncake_master  (pip install 'cachexferd[mooncake]')
-    CACHEXFERD_MOONCAKE_CLIENT  mooncake_client  (the storage node, same wheel)
+    CXTEST_REDIS_SERVER     redis-server or valkey-server (Debian: apt install redis-server)
+    CXTEST_MOONCAKE_MASTER  mooncake_master  (pip install 'cachexferd[mooncake]')
+    CXTEST_MOONCAKE_CLIENT  mooncake_client  (the storage node, same wheel)
+
+(Not ``CACHEXFERD_*``: every variable with that prefix is a daemon setting.)
 
 A missing binary raises ServerUnavailable with what to install.
 """
@@ -75,7 +77,7 @@ class RedisServer:
 
     def __init__(self, workdir: Path, maxmemory: str = "1gb") -> None:
         self.binary = require_binary(
-            ("redis-server", "valkey-server"), "CACHEXFERD_REDIS_SERVER", "apt install redis-server"
+            ("redis-server", "valkey-server"), "CXTEST_REDIS_SERVER", "apt install redis-server"
         )
         self.workdir, self.port = workdir, free_port()
         workdir.mkdir(parents=True, exist_ok=True)
@@ -110,8 +112,8 @@ class MooncakeCluster:
             import mooncake.store  # noqa: F401 - the daemon side needs the binding too
         except ImportError as exc:
             raise ServerUnavailable(f"mooncake store binding not importable ({exc}); {MOONCAKE_HINT}") from None
-        master_bin = require_binary(("mooncake_master",), "CACHEXFERD_MOONCAKE_MASTER", MOONCAKE_HINT)
-        node_bin = require_binary(("mooncake_client",), "CACHEXFERD_MOONCAKE_CLIENT", MOONCAKE_HINT)
+        master_bin = require_binary(("mooncake_master",), "CXTEST_MOONCAKE_MASTER", MOONCAKE_HINT)
+        node_bin = require_binary(("mooncake_client",), "CXTEST_MOONCAKE_CLIENT", MOONCAKE_HINT)
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.master_port, self.node_port = free_port(), free_port()

@@ -15,7 +15,7 @@ from cachexferd.protocol import KVLayout, Limits
 from cachexferd.storage.file import object_path
 from cachexferd.storage.objects import HEADER_BYTES
 from tests.helpers import SMALL, InProcessDaemon, assert_moved, assert_untouched, config_for
-from tests.storage_rig import Node, key_space, prompt
+from tests.storage_rig import Node, cancel_flips, key_space, prompt, swap_sectors
 
 KEYS = key_space().token_keys(prompt(4 * 5 + 3))  # 5 full blocks + a partial block of 3 tokens
 
@@ -85,9 +85,17 @@ def _damage(path: str, how: str) -> None:
     elif how == "header":
         with open(path, "r+b") as f:
             f.write(b"XXXX")
+    elif how in ("sector-swap", "cancelling-flips"):  # corruptions an order-blind sum misses
+        with open(path, "r+b") as f:
+            f.seek(HEADER_BYTES)
+            payload = bytearray(f.read())
+            f.seek(HEADER_BYTES)
+            f.write(swap_sectors(payload) if how == "sector-swap" else cancel_flips(payload))
 
 
-@pytest.mark.parametrize("how", ["flip", "truncate", "extend", "header", "misplaced"])
+@pytest.mark.parametrize(
+    "how", ["flip", "truncate", "extend", "header", "misplaced", "sector-swap", "cancelling-flips"]
+)
 def test_corrupt_objects_are_misses_plus_an_error_metric(node: Node, store_dir: Path, how: str) -> None:
     stored(node, KEYS[:3], [1, 2, 3], [0, 1, 2])
     target = object_path(str(store_dir), KEYS[1])

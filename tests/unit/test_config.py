@@ -41,7 +41,7 @@ def test_precedence(tmp_path: Path) -> None:
         ({"daemon.rank": "-1"}, "below the minimum"),
         ({"daemon.rank": "one"}, "daemon.rank (from flag daemon.rank)"),
         ({"daemon.backend": "tpu"}, "not one of"),
-        ({"daemon.endpoint": "tcp://10.0.0.1:5555"}, "LOOPBACK"),
+        ({"daemon.endpoint": "tcp://10.0.0.1:5555"}, "access.curve_secret_key"),
         ({"daemon.endpoint": "udp://x"}, "ipc://PATH"),
         ({"host_cache.capacity": "1KiB"}, "below the minimum"),
         ({"metrics.port": "70000"}, "above the maximum"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,7 @@ from cachexferd.storage.objects import (
     sum64,
     sum64_reference,
 )
+from tests.storage_rig import cancel_flips, swap_sectors
 
 FP = "0123456789abcdef"
 BLOCK = 3072
@@ -99,3 +101,22 @@ def test_sum64_wraps_and_sees_moved_pages() -> None:
 def test_bad_fingerprint_is_refused() -> None:
     with pytest.raises(ValueError):
         ObjectCodec("xyz", BLOCK).header("k", memoryview(block()))
+
+
+@pytest.mark.parametrize("damage", [swap_sectors, cancel_flips])
+def test_default_checksum_catches_reordered_sectors_and_cancelling_flips(damage: Any) -> None:
+    codec = ObjectCodec(FP, BLOCK)  # the default kind
+    assert codec.checksum is Checksum.CRC32
+    payload = block()
+    header = codec.header("k", memoryview(payload))
+    assert codec.check("k", header, memoryview(damage(payload)), HEADER_BYTES + BLOCK)[0] is Verdict.CORRUPT
+    # Why sum64 stopped being the default: both corruptions pass it.
+    legacy = ObjectCodec(FP, BLOCK, Checksum.SUM64)
+    old_header = legacy.header("k", memoryview(payload))
+    assert legacy.check("k", old_header, memoryview(damage(payload)), HEADER_BYTES + BLOCK)[0] is Verdict.OK
+
+
+def test_objects_written_with_sum64_are_still_read() -> None:
+    payload = memoryview(block())
+    written = ObjectCodec(FP, BLOCK, Checksum.SUM64).header("k", payload)
+    assert ObjectCodec(FP, BLOCK).check("k", written, payload, HEADER_BYTES + BLOCK) == (Verdict.OK, "")
