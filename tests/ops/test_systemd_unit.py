@@ -3,6 +3,7 @@ exposure score of at most 3 from `systemd-analyze security` (where systemd-analy
 
 from __future__ import annotations
 
+import grp
 import os
 import re
 import shutil
@@ -96,9 +97,11 @@ def test_systemd_analyze_security_exposure(tmp_path: Path) -> None:
 
 def test_group_reaches_the_socket_under_the_units_umask(spawn_daemon: Callable[..., DaemonProcess]) -> None:
     umask = int(settings()["UMask"][0], 8)
+    assert any(e.startswith("CACHEXFERD_ACCESS_GROUP=") for v in settings()["Environment"] for e in v.split())
+    group = grp.getgrgid(os.getgid()).gr_name  # the unit names its service group; here, ours
     old = os.umask(umask)  # the daemon subprocess inherits it, as under systemd
     try:
-        daemon = spawn_daemon()
+        daemon = spawn_daemon(settings={"access.group": group})
     finally:
         os.umask(old)
     mode = os.stat(daemon.endpoint[len("ipc://") :]).st_mode
