@@ -74,6 +74,7 @@ class Fuzzer:
         self.pull.bind(events)
         self.dealer.connect(endpoint)
         self.sent = self.expected = self.received = 0
+        self.undecodable: list[str] = []  # outcomes a client could not read: each one a finding
         self.kinds: collections.Counter[str] = collections.Counter()
         self.codes: collections.Counter[str] = collections.Counter()
         self.boot_id = ""
@@ -143,6 +144,8 @@ class Fuzzer:
             return "flipped bits", [self.header(msg_type), bytes(data)]
         if roll < 0.46:
             items: list[Any] = [list(self.command()) for _ in range(r.randint(1, 20))]
+            if r.random() < 0.1:  # an item type that is no byte
+                items.append([r.randint(-(2**63), 2**64 - 1), {"req_id": r.randint(1, 2000)}])
             if r.random() < 0.2:
                 items.append(self.value())
             return "batch", [self.header(MsgType.BATCH), pack({"items": items})]
@@ -213,7 +216,7 @@ class Fuzzer:
         while time.monotonic() < (quiet_until or deadline):
             for sock, _ in poller.poll(20):
                 while sock.poll(0):
-                    for outcome in decode_outcomes(sock.recv_multipart()):
+                    for outcome in self.decode(sock.recv_multipart()):
                         self.received += 1
                         self.boot_id = outcome.boot_id
                         self.codes[ErrorCode(outcome.code).name if outcome.code in ErrorCode._value2member_map_
@@ -225,6 +228,14 @@ class Fuzzer:
                     return True
                 quiet_until = time.monotonic() + quiet_s
         return self.received == self.expected
+
+    def decode(self, frames: list[bytes]) -> list[Any]:
+        try:
+            return decode_outcomes(frames)
+        except ProtocolError as exc:
+            self.received += 1
+            self.undecodable.append(f"{exc.detail}: {frames!r:.300}")
+            return []
 
     def alive(self) -> bool:
         self.dealer.send_multipart(encode_command(Ping(req_id=2**40)))
@@ -268,9 +279,9 @@ def fuzz(tmp: Path, count: int, seed: int) -> int:
     exit_code = daemon.stop()
     tracebacks = daemon.log_path.read_text(errors="replace").count("Traceback")
     report(fuzzer, seed, time.monotonic() - started, complete, alive, exit_code, tracebacks)
-    ok = complete and alive and exit_code == 0 and tracebacks == 0
+    ok = complete and alive and exit_code == 0 and tracebacks == 0 and not fuzzer.undecodable
     if not ok:
-        print(f"daemon log: {daemon.log_path} (kept: rerun with --seed {seed})\n{daemon.log_tail(40)}")
+        print(f"the daemon log ends (the same inputs again: --seed {seed}):\n{daemon.log_tail(40)}")
     return 0 if ok else 1
 
 
@@ -280,6 +291,8 @@ def report(fuzzer: Fuzzer, seed: int, elapsed: float, complete: bool, alive: boo
     print(f"outcomes expected {fuzzer.expected}, received {fuzzer.received}: {'ok' if complete else 'DIFFERENT'}")
     print("  " + ", ".join(f"{name} {n}" for name, n in fuzzer.codes.most_common()))
     print(f"daemon alive: {'yes' if alive else 'NO'}; exit status {code}; tracebacks in its log: {tracebacks}")
+    for problem in fuzzer.undecodable[:5]:
+        print(f"UNDECODABLE OUTCOME ({len(fuzzer.undecodable)} in all): {problem}")
 
 
 if __name__ == "__main__":

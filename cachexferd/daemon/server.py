@@ -280,6 +280,7 @@ class Daemon:
             self.access.secure_socket()
         except (zmq.ZMQError, AccessError) as exc:
             router.close(0)
+            self.access.close()  # the ZAP handler, if CURVE started one
             raise DaemonError(f"cannot bind {self.config.endpoint}: {exc}") from None
         return router
 

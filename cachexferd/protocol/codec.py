@@ -151,7 +151,9 @@ def command_from_body(msg_type: int, body: dict[str, Any]) -> Command:
     req_id and msg_type could be read, so the daemon can still address its error outcome."""
     req_id = _peek_req_id(body)
     if msg_type not in COMMAND_TYPES:
-        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown command type {msg_type}", req_id, msg_type)
+        # A BATCH item's type is any msgpack int; the outcome's op must fit a header byte.
+        op = msg_type if 0 <= msg_type <= 255 else 0
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown command type {msg_type}", req_id, op)
     try:
         return COMMANDS[MsgType(msg_type)].from_wire(body)
     except ProtocolError as exc:

@@ -228,6 +228,26 @@ def test_curve_refuses_wrong_or_missing_keys(
     assert needle in str(info.value) or (needle == "no reply" and info.value.code == ErrorCode.SEND_FAILED)
 
 
+def test_failed_curve_bind_leaves_no_zap_thread(short_tmp: Path) -> None:
+    import threading
+
+    keys = short_tmp / "keys"
+    generate(keys, "daemon")
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        settings = {
+            "daemon.endpoint": f"tcp://0.0.0.0:{busy.getsockname()[1]}",
+            "access.curve_secret_key": str(keys / "daemon.key_secret"),
+            "access.curve_clients": str(keys),
+        }
+        before = set(threading.enumerate())
+        with pytest.raises(DaemonError, match="cannot bind"):
+            InProcessDaemon(config_for(short_tmp / "rt", **settings)).start()
+    zap = [t for t in set(threading.enumerate()) - before if type(t).__name__ == "AuthenticationThread"]
+    assert not any(t.is_alive() for t in zap)
+
+
 def test_curve_client_keys_are_reread(curve: tuple[str, Path]) -> None:
     endpoint, keys = curve
     kwargs = {"server_key": keys / "daemon.key", "client_key": keys / "late.key_secret"}

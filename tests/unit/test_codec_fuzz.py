@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from cachexferd.protocol import (
     COMMANDS,
     MAGIC,
+    Limits,
     MsgType,
     ProtocolError,
     batch_item,
@@ -48,6 +49,7 @@ values = st.recursive(
 )
 plausible_maps = st.dictionaries(st.sampled_from(KEYS), values, max_size=9)
 message_types = st.sampled_from([int(t) for t in MsgType]) | st.integers(0, 255)
+item_types = message_types | st.integers(-(2**63), 2**64 - 1)  # a BATCH item's type is any msgpack int
 headers = st.builds(lambda major, t: MAGIC + bytes((major, t)), st.sampled_from([1, 1, 1, 0, 2, 255]), message_types)
 
 
@@ -64,7 +66,9 @@ def only_protocol_errors(fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return fn(*args)
     except ProtocolError as exc:
+        # The daemon echoes these in the error outcome: they must fit its fields.
         assert exc.code != 0 and isinstance(exc.detail, str)
+        assert 0 <= exc.msg_type <= 255 and 0 <= exc.req_id <= Limits.MAX_REQ_ID, (exc.msg_type, exc.req_id)
         return None
 
 
@@ -100,7 +104,7 @@ def test_batch_envelopes_and_items(body: dict[str, Any], items: list[Any]) -> No
 
 
 @settings(SETTINGS, max_examples=100)
-@given(st.lists(st.tuples(message_types, plausible_maps).map(list), max_size=4))
+@given(st.lists(st.tuples(item_types, plausible_maps).map(list), max_size=4))
 def test_batch_items_of_plausible_commands(items: list[Any]) -> None:
     for item in only_protocol_errors(batch_items, {"items": items}) or []:
         only_protocol_errors(batch_item, item)
