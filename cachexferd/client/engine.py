@@ -19,6 +19,7 @@ the block (or at the next ``flush()`` / ``poll()``)::
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 import time
@@ -29,16 +30,30 @@ from typing import Any
 import zmq
 
 from ..protocol import Command, ErrorCode, MsgType, Outcome, Shutdown, Status
+from ..security import client_keys_or_none, group_id, needs_ipv6
 from .commands import CommandMethods, Fields
 from .core import EngineCore
 from .link import ClientError, Link, check_ok, read_outcomes
 from .pending import Completion
 
 
-def default_events_endpoint() -> tuple[str, Path]:
-    """An ipc endpoint in a private temp dir (removed on close)."""
+def default_events_endpoint(group: str | None = None) -> tuple[str, Path]:
+    """An ipc endpoint in a private temp dir (removed on close). With ``group`` (the daemons'
+    access.group) the directory is 0750 and group-owned, so a daemon running as another user
+    of that group can reach the socket (made 0660 by secure_events_socket after the bind)."""
     directory = Path(tempfile.mkdtemp(prefix="cachexferd-engine-"))  # the daemon knows this prefix
+    if group is not None:
+        os.chown(directory, -1, group_id(group))
+        os.chmod(directory, 0o750)
     return f"ipc://{directory / 'events.sock'}", directory
+
+
+def secure_events_socket(endpoint: str, group: str | None) -> None:
+    """After the bind: the daemons (members of ``group``) must be able to connect."""
+    if group is not None and endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+        path = endpoint[len("ipc://") :]
+        os.chown(path, -1, group_id(group))
+        os.chmod(path, 0o660)
 
 
 class EngineClient(CommandMethods[int]):
@@ -51,18 +66,27 @@ class EngineClient(CommandMethods[int]):
         timeout_s: float = 30.0,
         heartbeat_s: float = 1.0,
         autoflush: bool = True,
+        events_group: str | None = None,
+        server_key: str | os.PathLike[str] | None = None,
+        client_key: str | os.PathLike[str] | None = None,
     ) -> None:
+        """``events_group``: the daemons run as another user of this group (docs/operations.md,
+        "Access control"); ``server_key`` / ``client_key``: CURVE key files for daemons on tcp."""
         if not endpoints:
             raise ValueError("EngineClient needs at least one daemon endpoint")
+        curve = client_keys_or_none(server_key, client_key)
         self._tmpdir: Path | None = None
         if events is None:
-            events, self._tmpdir = default_events_endpoint()
+            events, self._tmpdir = default_events_endpoint(events_group)
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.setsockopt(zmq.RCVHWM, 0)  # never drop events on our side
+        if needs_ipv6(events):
+            self.pull.setsockopt(zmq.IPV6, 1)
         self.pull.bind(events)
-        self.links = [Link(self.ctx, endpoint, i) for i, endpoint in enumerate(endpoints)]
+        secure_events_socket(events, events_group)
+        self.links = [Link(self.ctx, endpoint, i, curve) for i, endpoint in enumerate(endpoints)]
         self.core = EngineCore(len(self.links), name, events, timeout_s, heartbeat_s)
         self._ready: list[Completion] = []  # finished while we were waiting for something else
         self.autoflush = autoflush  # False: submit() queues until flush() / poll()

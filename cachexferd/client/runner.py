@@ -40,6 +40,7 @@ from ..protocol import (
 )
 from ..security import client_keys_or_none, group_id
 from .link import ClientError, Link, check_ok
+from .reattach import Reattacher
 
 if TYPE_CHECKING:
     import torch
@@ -203,11 +204,16 @@ class RunnerClient:
         return check_ok(self.link.call(Status(req_id=self._req_id()), self.timeout_s))
 
     @contextmanager
-    def attached(self, cache: DeviceCacheHandle) -> Iterator[dict[str, Any]]:
+    def attached(self, cache: DeviceCacheHandle, reattach: bool = False) -> Iterator[dict[str, Any]]:
+        """Attached for the block; with ``reattach``, attached again by itself after a daemon
+        restart (client.reattach.Reattacher), until the block ends."""
         info = self.attach(cache)
+        keeper = Reattacher(self.link.endpoint, cache, self.link.boot_id) if reattach else None
         try:
             yield info
         finally:
+            if keeper is not None:
+                keeper.stop()
             self.detach()
 
     def pause(self, drain_timeout_s: float | None = None) -> dict[str, Any]:

@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _TMP_DIR = ".tmp"
 _STALE_TMP_S = 3600.0  # temp files older than this were left by a crashed writer
+# Objects hold KV-cache bytes (derived from users' prompts): readable by the daemons' user
+# and group only (a pool shared by daemons of one service group), never by every user.
+_OBJECT_MODE = 0o640
+_DIR_MODE = 0o750
 _RESCAN_S = 600.0  # how often the index re-reads the directory (other writers, drift)
 _LOW_WATER = 0.9  # eviction frees down to this fraction of the capacity
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -153,7 +157,7 @@ class FileBackend(StorageBackend):
             return
         with self._lock:
             try:
-                os.makedirs(self._tmp, exist_ok=True)
+                os.makedirs(self._tmp, mode=_DIR_MODE, exist_ok=True)
             except OSError as exc:
                 self._error = exc.strerror or str(exc)
                 raise StorageUnavailable(f"storage directory {self.root}: {exc.strerror}") from None
@@ -228,7 +232,7 @@ class FileBackend(StorageBackend):
     def _write(self, item: PutItem, final: str) -> None:
         tmp = f"{self._tmp}/{final[-32:]}.{os.getpid()}.{next(self._serial)}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _OBJECT_MODE)
             try:
                 _write_all(fd, [item.header(), item.payload])
                 if self.fsync:
@@ -250,13 +254,13 @@ class FileBackend(StorageBackend):
     def _rename_into_place(self, tmp: str, final: str) -> None:
         parent = os.path.dirname(final)
         if parent not in self._made:
-            os.makedirs(parent, exist_ok=True)
+            os.makedirs(parent, mode=_DIR_MODE, exist_ok=True)
             self._made.add(parent)
         try:
             os.rename(tmp, final)
         except FileNotFoundError:  # fan-out dir removed behind our back: make it again, once
             self._made.discard(parent)
-            os.makedirs(parent, exist_ok=True)
+            os.makedirs(parent, mode=_DIR_MODE, exist_ok=True)
             os.rename(tmp, final)
         if self.fsync:
             _fsync_dir(parent)

@@ -268,3 +268,19 @@ def test_async_client_fails_fast_and_recovers_after_a_restart(spawn_daemon: Spaw
         asyncio.run(scenario())
     finally:
         cache.close()
+
+
+def test_runner_that_asked_for_it_attaches_again_after_a_daemon_restart(spawn_daemon: Spawn) -> None:
+    daemon = spawn_daemon()
+    cache = ShmKVCache(SMALL)
+    try:
+        with RunnerClient(daemon.endpoint, timeout_s=5) as runner, runner.attached(cache, reattach=True):
+            daemon.kill()
+            daemon.start()  # same endpoint, new boot id, nothing attached
+            _wait_for(lambda: daemon.status()["device"]["state"] == "attached", 15, "re-attach")
+            with EngineClient([daemon.endpoint], timeout_s=20) as engine:
+                engine.connect()
+                done = engine.wait([engine.swap_out([1], [1])], timeout_s=20)
+                assert all(c.ok for c in done.values())
+    finally:
+        cache.close()

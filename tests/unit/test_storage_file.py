@@ -156,3 +156,19 @@ def test_a_read_that_was_stuck_past_its_stop_leaves_the_buffer_alone(tmp_path: P
     (got,) = result
     assert got.status is GetStatus.FAILED and got.detail == "stopped"  # type: ignore[attr-defined]
     assert target == bytearray(len(target))
+
+
+def test_objects_and_directories_are_not_readable_by_all(tmp_path: Path) -> None:
+    import stat
+
+    fb = FileBackend(tmp_path / "store")
+    fb.start()
+    puts, _ = items(1)
+    old = os.umask(0o022)  # the usual umask: the modes come from the backend, not from it
+    try:
+        assert fb.put(puts, NO_STOP) == [None]
+    finally:
+        os.umask(old)
+    path = Path(object_path(str(tmp_path / "store"), puts[0].name))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o750
