@@ -78,16 +78,25 @@ def run(args: argparse.Namespace) -> int:
         ok = run_storage_part(args, workdir) and ok
         return 0 if ok else 1
     except Exception as exc:
-        print(f"demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        for daemon in daemons:
-            print(f"--- rank {daemon.rank} log ---\n{daemon.log_tail(15)}", file=sys.stderr)
-        return 1
+        return report_failure(exc, daemons)
     finally:
-        stop_all(daemons, runners)
-        if args.keep:
-            print(f"logs kept in {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+        clean_up(daemons, runners, workdir, args.keep)
+
+
+def report_failure(exc: Exception, daemons: list[DaemonProcess]) -> int:
+    """Says what failed, with each daemon's last log lines; the demo's exit status (1)."""
+    print(f"demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    for daemon in daemons:
+        print(f"--- rank {daemon.rank} log ---\n{daemon.log_tail(15)}", file=sys.stderr)
+    return 1
+
+
+def clean_up(daemons: list[DaemonProcess], runners: list[subprocess.Popen[str]], workdir: Path, keep: bool) -> None:
+    stop_all(daemons, runners)
+    if keep:
+        print(f"logs kept in {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def start_daemons(workdir: Path) -> list[DaemonProcess]:

@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import random
-import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .client import EngineClient
-from .demo import LAYOUT, TP, start_runners, stop_all
+from .demo import LAYOUT, TP, clean_up, report_failure, start_runners
 from .index import Lease, PrefixIndex
 from .launch import DaemonProcess
 from .status import human_bytes
@@ -113,16 +111,9 @@ def run_chat(args: argparse.Namespace) -> int:
         runners, segments = start_runners(daemons, args.seed)
         return 0 if serve_chats(daemons, Caches(segments), args, storage) else 1
     except Exception as exc:
-        print(f"demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        for daemon in daemons:
-            print(f"--- rank {daemon.rank} log ---\n{daemon.log_tail(15)}", file=sys.stderr)
-        return 1
+        return report_failure(exc, daemons)
     finally:
-        stop_all(daemons, runners)
-        if args.keep:
-            print(f"logs kept in {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+        clean_up(daemons, runners, workdir, args.keep)
 
 
 def start_daemons(workdir: Path, storage: bool) -> list[DaemonProcess]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,14 +22,6 @@ from ..helpers import (
     snapshot,
     submit_random_pipeline,
 )
-
-
-@pytest.fixture
-def engine(inproc: InProcessDaemon) -> Iterator[EngineClient]:
-    client = EngineClient([inproc.endpoint], timeout_s=20)
-    client.connect()
-    yield client
-    client.close()
 
 
 def _ok(engine: EngineClient, *req_ids: int) -> list[dict[str, object]]:

@@ -4,7 +4,6 @@ CLEAR_HOST giving memory back, and the runner's weight-update helper."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +13,6 @@ from cachexferd.client import ClientError, EngineClient, RunnerClient, ShmKVCach
 from cachexferd.protocol import ErrorCode
 
 from ..helpers import SMALL, InProcessDaemon, assert_moved, fill_random, snapshot
-
-
-@pytest.fixture
-def engine(inproc: InProcessDaemon) -> Iterator[EngineClient]:
-    client = EngineClient([inproc.endpoint], timeout_s=20)
-    client.connect()
-    yield client
-    client.close()
 
 
 def _codes(engine: EngineClient, *req_ids: int) -> list[str]:
