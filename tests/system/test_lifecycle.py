@@ -260,7 +260,11 @@ def test_async_client_fails_fast_and_recovers_after_a_restart(spawn_daemon: Spaw
             assert time.monotonic() - killed < 2.0
             daemon.start()
             with RunnerClient(daemon.endpoint) as runner:
-                runner.attach(cache)
+                runner.attach(cache)  # blocks this loop: let the pump see the new daemon first
+                boot = runner.status()["boot_id"]
+                deadline = time.monotonic() + 15
+                while engine.core.boot_ids[0] != boot and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
                 again = await asyncio.wait_for(engine.swap_out([1], [1]), 20)
                 assert again.ok, again.describe()
 
