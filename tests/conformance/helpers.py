@@ -65,22 +65,41 @@ def burst(client: Client, commands: Sequence[tuple[int, Mapping[str, Any]]]) -> 
 
 
 @contextmanager
-def hung_object(store: Path, name: str) -> Iterator[Path]:
+def hung_object(store: Path, name: str, reader_wait_s: float = 5.0) -> Iterator[Path]:
     """Makes object ``name`` a FIFO: the file backend's read of it blocks until released.
-    On exit a writer opens and closes it (the read sees end-of-file) and it is removed."""
+    On exit the FIFO is released so that no reader can stay stuck, whenever it opens it."""
     path = object_file(store, name)
     path.parent.mkdir(parents=True, exist_ok=True)
     os.mkfifo(path)
     try:
         yield path
     finally:
+        release_fifo(path, reader_wait_s)
+
+
+def release_fifo(path: Path, reader_wait_s: float) -> None:
+    """Lets the reader of FIFO ``path`` see end-of-file and removes the FIFO.
+
+    The daemon's read may not have reached open() yet: a writer that came and went before
+    it would leave it blocked for good. So wait (bounded) until a reader is there; if none
+    comes, hold both ends open while unlinking, so a late open either finds a writer (and
+    then end-of-file) or finds no file at all."""
+    deadline = time.monotonic() + reader_wait_s
+    while True:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-            os.close(fd)
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # succeeds once a reader is there
         except OSError as exc:
-            if exc.errno != errno.ENXIO:  # ENXIO: nobody is blocked reading it
+            if exc.errno != errno.ENXIO:
                 raise
-        path.unlink()
+            if time.monotonic() < deadline:
+                time.sleep(0.005)
+                continue
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)  # a writer for any late reader
+        try:
+            path.unlink()
+        finally:
+            os.close(fd)
+        return
 
 
 @contextmanager
