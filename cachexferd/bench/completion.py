@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -50,7 +51,7 @@ from .completion_engines import (
 )
 from .completion_report import HEADER, TARGETS_TEXT, StepLog, add_loss, check_targets, format_row, plot, summarize
 
-ENGINES = ("client", "async", "queue")
+ENGINES = ("client", "batched", "async", "queue")
 NO_MATPLOTLIB = "matplotlib is not installed (pip install 'cachexferd[plots]')"
 WARM_UP = 16  # commands completed before each client run starts measuring
 
@@ -63,7 +64,7 @@ def add_completion_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-ms", type=float, default=1.0, help="CPU work per scheduler step")
     p.add_argument("--async-yields", type=int, default=1,
                    help="async: asyncio.sleep(0) calls between two scheduler steps")  # fmt: skip
-    p.add_argument("--engines", default=",".join(ENGINES), help="which of client,async,queue to run")
+    p.add_argument("--engines", default=",".join(ENGINES), help="which of client,batched,async,queue to run")
     p.add_argument("--client-option", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword passed to both client constructors (value parsed as JSON, else a string)")  # fmt: skip
     p.add_argument("--json", help="write every run's figures (and machine info) to this file")
@@ -115,13 +116,14 @@ def run_idle(daemons: Daemons, rate: float, args: argparse.Namespace, work: Call
     return log, engine
 
 
-def run_client(daemons: Daemons, rate: float, args: argparse.Namespace, work: Callable[[], Any]) -> RunResult:
+def run_client(daemons: Daemons, rate: float, args: argparse.Namespace, work: Callable[[], Any],
+               batched: bool = False) -> RunResult:  # fmt: skip
     from ..client import EngineClient
 
     with EngineClient(daemons.endpoints, name="bench-completion", **args.client_options) as client:
         client.connect()
         client.wait([client.submit(*swap_command(i)) for i in range(WARM_UP)], timeout_s=30)
-        engine, log = ClientEngine(client, daemons.pids), StepLog()
+        engine, log = ClientEngine(client, daemons.pids, batched=batched), StepLog()
         for _ in steps(engine, work, rate, args.duration, args.drain, log):
             pass
     return log, engine
@@ -160,6 +162,7 @@ def run_queue(daemons: Daemons, rate: float, args: argparse.Namespace, work: Cal
 
 RUNS: dict[str, Callable[[Daemons, float, argparse.Namespace, Callable[[], Any]], RunResult]] = {
     "client": run_client,
+    "batched": functools.partial(run_client, batched=True),
     "async": run_async,
     "queue": run_queue,
 }

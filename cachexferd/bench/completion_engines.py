@@ -10,6 +10,7 @@ Engines use only the clients' public API.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import time
@@ -124,10 +125,11 @@ def swap_command(i: int) -> tuple[MsgType, dict[str, list[int]]]:
 
 
 class ClientEngine:
-    """EngineClient: submits swaps, ``poll()`` once per step boundary."""
+    """EngineClient: submits swaps, ``poll()`` once per step boundary. ``batched``: the
+    swaps of one step go out together (``with client.batch():``, one BATCH per rank)."""
 
-    def __init__(self, client: Any, daemon_pids: list[int]) -> None:
-        self.client, self.daemon_pids = client, daemon_pids
+    def __init__(self, client: Any, daemon_pids: list[int], batched: bool = False) -> None:
+        self.client, self.daemon_pids, self.batched = client, daemon_pids, batched
         self.origins: dict[int, float] = {}  # req_id -> submit time
         self.sent = 0
         self.client_time = ClientTime()
@@ -137,12 +139,13 @@ class ClientEngine:
 
     def submit(self, count: int) -> None:
         started = self.client_time.start()
-        for _ in range(count):
-            op, fields = swap_command(self.sent)
-            swap = self.client.swap_out if op is MsgType.SWAP_OUT else self.client.swap_in
-            origin = time.monotonic()
-            self.origins[swap(fields["device_ids"], fields["host_ids"])] = origin
-            self.sent += 1
+        with self.client.batch() if self.batched else contextlib.nullcontext():
+            for _ in range(count):
+                op, fields = swap_command(self.sent)
+                swap = self.client.swap_out if op is MsgType.SWAP_OUT else self.client.swap_in
+                origin = time.monotonic()
+                self.origins[swap(fields["device_ids"], fields["host_ids"])] = origin
+                self.sent += 1
         self.client_time.stop("submit", started)
 
     def collect(self) -> list[tuple[float, bool]]:

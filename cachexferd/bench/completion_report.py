@@ -160,7 +160,7 @@ def check_targets(r: dict[str, Any]) -> list[str]:
     return [f"{name}: {'ok' if met else 'MISSED'} ({value})" for name, met, value in checks]
 
 
-ENGINE_COLORS = {"client": "tab:green", "async": "tab:blue", "queue": "tab:red"}
+ENGINE_COLORS = {"client": "tab:green", "batched": "tab:olive", "async": "tab:blue", "queue": "tab:red"}
 
 
 def plot(rows: list[dict[str, Any]], path: str, title: str) -> bool:

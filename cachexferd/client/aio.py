@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from ..protocol import Command, ErrorCode, MsgType, Outcome, Shutdown, Status, encode_body, encode_command
 from ..security import needs_ipv6
+from ..zmqio import send_frames
 from .commands import CommandMethods, Fields
 from .core import EngineCore
 from .engine import default_events_endpoint
@@ -92,7 +93,7 @@ class AsyncEngineClient(CommandMethods[asyncio.Future[Completion]]):
 
     def _send(self, index: int, op: MsgType, body: dict[str, Any]) -> None:
         try:
-            self._sync[id(self.dealers[index])].send_multipart(encode_body(op, body), flags=zmq.NOBLOCK)
+            send_frames(self._sync[id(self.dealers[index])], encode_body(op, body))
         except zmq.ZMQError as exc:
             self._resolve(self.core.send_failed(index, body["req_id"], str(exc)))
 

@@ -23,6 +23,7 @@ from ..protocol import (
     encode_command,
 )
 from ..security import CurveClientKeys, needs_ipv6
+from ..zmqio import readable, recv_frames, send_frames
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class Link:
 
     def _send(self, frames: list[bytes]) -> None:
         try:
-            self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            send_frames(self.sock, frames)
         except zmq.ZMQError as exc:
             # A refused CURVE handshake ends the connection: sends fail then, say why.
             raise ClientError(
@@ -131,7 +132,7 @@ class Link:
         """One decoded reply, or None when nothing is waiting. Garbage is logged and skipped."""
         while True:
             try:
-                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
+                frames = recv_frames(self.sock)
             except zmq.Again:
                 return None
             try:
@@ -165,7 +166,7 @@ class Link:
         """zmq.EVENT_CONNECTED / EVENT_DISCONNECTED seen since the last call, in order
         (handshake failures are kept aside for ``handshake_failure``)."""
         events: list[int] = []
-        while int(self.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        while readable(self.monitor):
             try:
                 frames = self.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -209,10 +210,10 @@ def read_outcomes(sock: zmq.Socket[Any], limit: int = 1 << 16) -> list[Outcome]:
     out: list[Outcome] = []
     for _ in range(limit):
         # Asking first is cheaper than the zmq.Again exception of a read from an empty socket.
-        if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        if not readable(sock):
             break
         try:
-            frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+            frames = recv_frames(sock)
         except zmq.Again:
             break
         try:

@@ -36,6 +36,7 @@ from ..config import Config
 from ..metrics import DaemonMetrics
 from ..protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR, Command, ErrorCode, Limits, MsgType, ProtocolError
 from ..security import AccessError
+from ..zmqio import readable, recv_frames, send_frames
 from .access import AccessControl
 from .device import DeviceSlot
 from .dispatch import Dispatcher
@@ -321,7 +322,7 @@ class Daemon:
                 first = router.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            frames = router.recv_multipart(zmq.NOBLOCK) if first.more else []  # all parts arrive together
+            frames = recv_frames(router) if first.more else []  # all parts arrive together
             identity = self.access.peers.note(first, frames[0] if frames else b"")
             self._last_receive = now = time.monotonic()
             try:
@@ -332,7 +333,7 @@ class Daemon:
 
     def _check_readable(self) -> None:
         router = self.router
-        if router is not None and not router.closed and int(router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        if router is not None and not router.closed and readable(router):
             self._schedule_read()
 
     def _admit(self, cmd: Command) -> None:
@@ -351,7 +352,7 @@ class Daemon:
         if router is None or router.closed:
             return
         try:  # the ROUTER never blocks: the send completes (or fails) at once
-            router.send_multipart([identity, *frames], zmq.NOBLOCK)
+            send_frames(router, [identity, *frames])
         except zmq.ZMQError as exc:
             self.metrics.events_dropped.inc()
             log.info("reply dropped: %s", exc)

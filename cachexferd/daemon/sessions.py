@@ -19,6 +19,7 @@ import zmq
 
 from ..protocol import ErrorCode, ProtocolError
 from ..security import needs_ipv6
+from ..zmqio import send_frames
 from .pidwatch import PidWatch
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class EventSinks:
         if sock is None:
             return False
         try:
-            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            send_frames(sock, frames)
             return True
         except zmq.ZMQError as exc:
             log.warning("event to %s dropped: %s", endpoint, exc)

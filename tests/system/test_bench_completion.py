@@ -17,7 +17,7 @@ import pytest
 from cachexferd.bench.completion import configs
 from cachexferd.bench.completion_report import StepLog, add_loss, latencies, percentile
 
-TRAFFIC = ("client", "async", "queue")
+TRAFFIC = ("client", "batched", "async", "queue")
 
 
 @pytest.mark.slow
@@ -29,7 +29,17 @@ def test_tiny_run_reports_every_engine(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     runs = data["runs"]
-    assert [r["engine"] for r in runs] == ["idle", "client", "idle", "async", "idle", "queue", "idle"]
+    assert [r["engine"] for r in runs] == [
+        "idle",
+        "client",
+        "idle",
+        "batched",
+        "idle",
+        "async",
+        "idle",
+        "queue",
+        "idle",
+    ]
     for run in runs:
         assert run["tp"] == 1 and run["rate"] == 40
         assert run["steps"] > 0 and run["steps_per_s"] > 0
