@@ -39,8 +39,13 @@ class OffloadIndex:
     and blocks stay loadable from storage. ``events=True`` records what ``take_events``
     returns (leave it off when nobody drains them). ``debug=True`` checks every free for
     double frees (slower). Only full blocks are cached: a partial ``BlockHash`` ends a lookup
-    and is refused by ``prepare_store``. A block whose predecessor is not offloaded starts a
-    chain of its own.
+    and is refused by ``prepare_store``.
+
+    The caller's hashes are taken to be one chain (each block's hash covers its prefix), so
+    reads find blocks by hash alone, however many calls stored them. The tree's links only
+    order eviction: a block's predecessor stays until its successors' host copies are gone.
+    Blocks stored in one call are linked; ``prepare_store(..., parent=)`` links a call to
+    the block before it. A block whose predecessor is not offloaded starts a chain of its own.
     """
 
     def __init__(
@@ -70,7 +75,7 @@ class OffloadIndex:
         tier or (with storage) the storage tier. Blocks still being written do not count.
         Storage hits are counted only as far as host blocks can be found to load them into."""
         hits = from_storage = 0
-        nodes = self.tree.walk(_full_digests(hashes), anchored=False)
+        nodes = self.tree.present(_full_digests(hashes))
         for node in nodes:
             if node.host >= 0 and not node.flags & HOST_IN:
                 hits += 1
@@ -98,7 +103,7 @@ class OffloadIndex:
         counted; raises KeyError for a block that is not offloaded and NoRoomError when no
         host block can be freed for a storage block (nothing is protected then)."""
         digests = _full_digests(hashes)
-        nodes = self.tree.walk(digests, anchored=False)
+        nodes = self.tree.present(digests)
         if len(nodes) < len(digests):
             raise KeyError(f"block {digests[len(nodes)].hex()[:16]} is not offloaded")
         from_storage = [i for i, node in enumerate(nodes) if node.host < 0 or node.flags & HOST_IN]
@@ -148,12 +153,14 @@ class OffloadIndex:
 
     # Writes ------------------------------------------------------------------------------
 
-    def prepare_store(self, hashes: Sequence[HashLike]) -> StorePlan | None:
+    def prepare_store(self, hashes: Sequence[HashLike], parent: HashLike | None = None) -> StorePlan | None:
         """Allocates host blocks for the hashes not already offloaded or in flight, evicting
         least recently used unprotected host blocks if needed (never blocks being loaded,
         stored or protected by prepare_load). Returns None when there is not enough room for
         all of them: nothing is allocated then (blocks evicted while trying are reported by
-        ``take_events``). The allocated blocks are protected until ``complete_store``."""
+        ``take_events``). The allocated blocks are protected until ``complete_store``.
+        ``parent``: the block just before ``hashes[0]``, when an earlier call stored it; new
+        blocks then hang under it (if it is still offloaded) instead of starting a chain."""
         digests = _full_digests(hashes, strict=True)
         get = self.tree.nodes.get
         wanted = [d for d in dict.fromkeys(digests) if _needs_host_copy(get(d))]
@@ -169,7 +176,8 @@ class OffloadIndex:
         if host_ids is None:
             return None
         self.tree.tick()
-        self._place_stores(digests, wanted, host_ids)
+        anchor = _full_digests([parent]) if parent is not None else []
+        self._place_stores(digests, wanted, host_ids, anchor[0] if anchor else None)
         return StorePlan(wanted, host_ids, evicted, self.storage, self.space)
 
     def complete_store(self, hashes: Sequence[HashLike], success: bool = True) -> None:
@@ -252,11 +260,14 @@ class OffloadIndex:
                     evicted += out.digests
         return tree.host_free.take(n)
 
-    def _place_stores(self, digests: list[bytes], wanted: list[bytes], host_ids: list[int]) -> None:
-        """Creates the nodes of ``digests`` that are missing, in chain order, and gives each
-        wanted one its host block (in flight until complete_store)."""
+    def _place_stores(
+        self, digests: list[bytes], wanted: list[bytes], host_ids: list[int], parent: bytes | None
+    ) -> None:
+        """Creates the nodes of ``digests`` that are missing, in chain order (under the node of
+        ``parent``, when given and known), and gives each wanted one its host block (in flight
+        until complete_store)."""
         get, ids = self.tree.nodes.get, dict(zip(wanted, host_ids))
-        prev: Node | None = None
+        prev: Node | None = get(parent) if parent is not None else None
         for digest in digests:
             node = get(digest)
             if node is None:

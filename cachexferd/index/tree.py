@@ -117,18 +117,16 @@ class Tree:
             raise ValueError(f"block {digest.hex()[:16]} is cached under another prefix: hashes are not one chain")
         return node
 
-    def walk(self, digests: list[bytes], *, anchored: bool = True) -> list[Node]:
-        """The nodes of the longest leading run of ``digests`` that forms one chain, from the
-        root (``anchored``) or from wherever the first block is."""
+    def present(self, digests: list[bytes]) -> list[Node]:
+        """The nodes of the longest leading run of ``digests`` that are all in the tree,
+        wherever each hangs (for callers whose hashes are known to be one chain)."""
         get = self.nodes.get
         out: list[Node] = []
-        prev: Node | None = self.root if anchored else None
         for digest in digests:
             node = get(digest)
-            if node is None or (node.parent is not prev and prev is not None):
+            if node is None:
                 break
             out.append(node)
-            prev = node
         return out
 
     def _remove(self, node: Node) -> None:

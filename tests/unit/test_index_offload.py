@@ -41,6 +41,46 @@ def test_store_then_lookup_and_load_from_host() -> None:
     index.check()
 
 
+def test_reads_find_a_chain_stored_by_several_calls() -> None:
+    index = OffloadIndex(8, SPACE, debug=True)
+    a = blocks(1, 4)
+    offload(index, a[2:])  # the tail first, as its own chain
+    offload(index, a[:2])
+    assert index.lookup(a) == 4  # the seam between the two calls is no gap
+    load = index.prepare_load(a)
+    assert len(set(load.host_ids)) == 4 and load.from_storage == []
+    index.complete_load(a)
+    assert index.lookup([a[0], blocks(2, 1)[0], a[2]]) == 1  # a missing block still ends the run
+    index.check()
+
+
+def test_a_call_linked_to_its_parent_is_evicted_tail_first() -> None:
+    index = OffloadIndex(4, events=True, debug=True)
+    a, b = blocks(1, 4), blocks(2, 1)
+    offload(index, a[:2])
+    plan = index.prepare_store(a[2:], parent=a[1])
+    assert plan is not None
+    index.complete_store(plan.hashes)
+    assert [index.tree.nodes[d].parent for d in a[1:]] == [index.tree.nodes[d] for d in a[:3]]
+    index.touch(a[2:])  # the tail is newer than the head: plain LRU would take the head first
+    plan = index.prepare_store(b)
+    assert plan is not None and plan.evicted == [a[3]]  # the leaf, so a[:3] stays a usable prefix
+    index.complete_store(plan.hashes)
+    assert index.lookup(a) == 3
+    index.check()
+
+
+def test_a_parent_that_is_gone_starts_a_new_chain() -> None:
+    index = OffloadIndex(4, debug=True)
+    a = blocks(1, 3)
+    plan = index.prepare_store(a[1:], parent=a[0])  # a[0] was never offloaded
+    assert plan is not None and plan.hashes == a[1:]
+    index.complete_store(plan.hashes)
+    assert index.tree.nodes[a[1]].parent is index.tree.root
+    assert index.lookup(a) == 0 and index.lookup(a[1:]) == 2
+    index.check()
+
+
 def test_store_skips_blocks_already_offloaded_or_in_flight() -> None:
     index = OffloadIndex(8, debug=True)
     a = blocks(1, 4)
@@ -167,7 +207,10 @@ def test_random_calls_keep_every_host_block_in_one_place() -> None:
         chain = rng.choice(chains)
         action = rng.random()
         if action < 0.35:
-            plan = index.prepare_store(chain[: rng.randint(1, 3)])
+            start = rng.randint(0, 2)  # a call may start mid-chain, linked to the block before
+            plan = index.prepare_store(
+                chain[start : rng.randint(start + 1, 3)], parent=chain[start - 1] if start else None
+            )
             if plan is not None:
                 stores.append(plan.hashes)
         elif action < 0.6 and stores:

@@ -61,7 +61,7 @@ def test_eviction_takes_least_recently_used_leaves_first() -> None:
     cache(index, new)
     assert index.evict(2) == 2
     # The old chain's leaf went first, then its parent, which became a leaf in the same loop.
-    assert [n.gpu >= 0 for n in index.tree.walk(old)] == [True]
+    assert [n.gpu >= 0 for n in index.tree.present(old)] == [True]
     assert index.match_hashes(old).gpu == 1 and index.match_hashes(new).gpu == 3
     index.check()
 

@@ -1,13 +1,13 @@
-"""OffloadIndex calls one block at a time.
+"""OffloadIndex calls for the pieces of work vLLM hands the manager.
 
-vLLM hands the manager offload keys in pieces: lookups one key at a time, stores starting
-wherever a request's unstored blocks start (the block before may be cached, or may never
-have been offered), loads spanning blocks that were stored by different calls. The index's
-tree links a block to its predecessor only when both arrive in one call, and refuses a
-block it already holds under another predecessor. So the adapter gives it one block per
-call: every block is a chain of its own, eviction is plain LRU over blocks (which is what
-vLLM's prefix lookup, itself block by block, needs), and no call can meet a block under a
-predecessor it did not expect.
+Lookups come one key at a time; a store holds the blocks of one request that filled up in a
+step, so a request's blocks arrive over many calls; a load may span blocks stored by
+different calls. The index finds blocks by hash alone, so a load is one call. Each store is
+linked to the block the same request stored last in the same KV-cache group (``Chains``),
+so a request's blocks form one chain in the index and host eviction takes a chain's tail
+before its head: vLLM's lookup stops at the first miss, so a tail kept without its head is
+dead weight. When a whole store does not fit, or a block of a load is gone, the blocks are
+placed one at a time, as far as they go.
 """
 
 from __future__ import annotations
@@ -27,32 +27,91 @@ class Placed:
     from_storage: list[bool] = field(default_factory=list)
     write_through: bool = False
 
+    def add(self, other: Placed) -> None:
+        self.digests += other.digests
+        self.host_ids += other.host_ids
+        self.write_through = other.write_through
 
-def prepare_stores(index: OffloadIndex, digests: list[bytes]) -> Placed | None:
-    """Host blocks for the digests that need one; None when there was no room for any."""
-    placed = Placed()
-    for digest in digests:
-        try:
-            plan = index.prepare_store([digest])
-        except NoRoomError:
-            plan = None
-        if plan is None:
-            return placed if placed.digests else None  # the rest waits for a later step
-        placed.write_through = plan.write_through
-        placed.digests += plan.hashes
-        placed.host_ids += plan.host_ids
-    return placed
+
+@dataclass
+class Chains:
+    """The last block one request stored, per KV-cache group (kept in vLLM's ReqContext)."""
+
+    tails: dict[int, bytes] = field(default_factory=dict)
+
+
+def prepare_stores(
+    index: OffloadIndex, digests: list[bytes], groups: list[int] | None = None, chains: Chains | None = None
+) -> Placed | None:
+    """Host blocks for the digests that need one, each run of one group linked to that
+    group's chain; None when there was no room for any. ``groups[i]`` is the KV-cache group
+    of ``digests[i]`` (all 0 when not given)."""
+    placed, stored_any = Placed(), False
+    for group, run in _runs(digests, groups or [0] * len(digests)):
+        parent = chains.tails.get(group) if chains is not None else None
+        got, whole = _store_run(index, run, parent)
+        if got is not None:
+            placed.add(got)
+            stored_any = True
+        if not whole:
+            break  # no room for the rest: it waits for a later step
+        if chains is not None:
+            chains.tails[group] = run[-1]
+    return placed if stored_any else None
 
 
 def prepare_loads(index: OffloadIndex, digests: list[bytes]) -> Placed:
     """Protects every block until complete_load and says where it is."""
+    try:
+        plan = index.prepare_load(digests)
+    except (KeyError, NoRoomError):
+        return _load_one_by_one(index, digests)
+    storage = set(plan.from_storage)
+    return Placed(list(digests), list(plan.host_ids), [i in storage for i in range(len(digests))])
+
+
+def _runs(digests: list[bytes], groups: list[int]) -> list[tuple[int, list[bytes]]]:
+    """Consecutive digests of one group, in order."""
+    runs: list[tuple[int, list[bytes]]] = []
+    for digest, group in zip(digests, groups):
+        if runs and runs[-1][0] == group:
+            runs[-1][1].append(digest)
+        else:
+            runs.append((group, [digest]))
+    return runs
+
+
+def _store_run(index: OffloadIndex, run: list[bytes], parent: bytes | None) -> tuple[Placed | None, bool]:
+    """(what was placed or None, whether all of ``run`` was)."""
+    try:
+        plan = index.prepare_store(run, parent=parent)
+    except NoRoomError:
+        plan = None
+    if plan is not None:
+        return Placed(plan.hashes, plan.host_ids, write_through=plan.write_through), True
+    placed = Placed()  # no room for all of them: as many leading blocks as fit
+    for digest in run:
+        try:
+            plan = index.prepare_store([digest], parent=parent)
+        except NoRoomError:
+            plan = None
+        if plan is None:
+            return (placed if placed.digests else None), False
+        placed.add(Placed(plan.hashes, plan.host_ids, write_through=plan.write_through))
+        parent = digest
+    return placed, True
+
+
+def _load_one_by_one(index: OffloadIndex, digests: list[bytes]) -> Placed:
+    """The leading blocks the index can still protect; the rest get host id -1 (the worker
+    fails them and vLLM recomputes)."""
     placed = Placed(digests=list(digests))
     for i, digest in enumerate(digests):
         try:
             plan = index.prepare_load([digest])
         except (KeyError, NoRoomError):
             rest = len(digests) - i
-            placed.host_ids += [-1] * rest  # the worker fails these and vLLM recomputes
+            placed.host_ids += [-1] * rest
             placed.from_storage += [False] * rest
             break
         placed.host_ids += plan.host_ids

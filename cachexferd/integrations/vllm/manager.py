@@ -4,7 +4,8 @@ The index (``cachexferd.index``) is the brain: it knows which blocks are in the 
 (and, with write-through, the storage tier), allocates host block ids, evicts in LRU order
 and never reuses a block with a transfer in flight. This adapter translates vLLM's calls
 (one offload key at a time for lookups, batches for stores and loads) into index calls and
-the index's plans into the specs the workers execute.
+the index's plans into the specs the workers execute. Each request's stores are linked into
+one chain per KV-cache group (index_calls.py), so eviction takes a conversation's tail first.
 
 It also keeps a connection to every rank's daemon, which gives the host tier's size (the
 smallest host cache over the ranks) and notices a daemon that restarted: its host cache is
@@ -28,12 +29,13 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
+    get_offload_group_idx,
 )
 
 from ...client.link import ClientError
 from ...index import OffloadIndex
 from .connection import DaemonConnection
-from .index_calls import prepare_loads, prepare_stores
+from .index_calls import Chains, prepare_loads, prepare_stores
 from .keys import VllmKeyNames
 from .options import PluginOptions
 from .prefetch import StoragePrefetch
@@ -160,8 +162,10 @@ class CachexferdManager(OffloadingManager):
         if index is None:
             # No daemon: store nothing (an empty plan, not None, keeps vLLM from warning per request).
             return PrepareStoreOutput(keys_to_store=[], store_spec=HostStoreSpec([], []), evicted_keys=[])
-        by_digest = dict(zip(self._digests(keys), keys))
-        placed = prepare_stores(index, list(by_digest))
+        digests = self._digests(keys)
+        by_digest = dict(zip(digests, keys))
+        groups = dict(zip(digests, (get_offload_group_idx(k) for k in keys)))
+        placed = prepare_stores(index, list(groups), list(groups.values()), _chains(req_context))
         if placed is None:
             self.stats["store_refused"] += 1
             return None
@@ -202,3 +206,12 @@ class CachexferdManager(OffloadingManager):
     def describe(self) -> dict[str, Any]:
         return {"connected": self.conn.up, "index": self.index is not None, "promoted": self.prefetch.promoted,
                 **self.stats}  # fmt: skip
+
+
+def _chains(req_context: ReqContext) -> Chains:
+    """The request's chain tails, kept in its ReqContext for its later stores."""
+    chains: Chains | None = req_context.get_state(Chains)
+    if chains is None:
+        chains = Chains()
+        req_context.set_state(chains)
+    return chains
