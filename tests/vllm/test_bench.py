@@ -1,0 +1,37 @@
+"""The vLLM benchmark end to end at a tiny size: it runs, reports every turn of both
+engines, and the plug-in's engine stored blocks through the daemon. Not timed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup-vllm.sh makes a venv with it)")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_tiny_benchmark_reports_both_engines(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    argv = [sys.executable, "-m", "cachexferd.integrations.vllm.bench", "--conversations", "2", "--turns", "2",
+            "--history-tokens", "128", "--user-tokens", "32", "--reply-tokens", "32", "--gpu-blocks", "16",
+            "--json", str(out)]  # fmt: skip
+    # The benchmark's two engines need vLLM's default engine-core processes (conftest.py
+    # turns them off for the in-process tests): two in-process engines would share the
+    # connector's per-process state.
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=540, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert sorted((r["engine"], r["conversation"], r["turn"]) for r in rows) == sorted(
+        (engine, conv, turn) for engine in ("recompute", "cachexferd") for conv in range(2) for turn in range(2)
+    )
+    assert all(r["ttft_s"] > 0 and r["prompt_tokens"] >= 160 for r in rows), rows
+    assert data["daemon"]['cachexferd_transfer_bytes_total{direction="d2h"}'] > 0, data["daemon"]
+    assert "first turns" in proc.stdout and "cachexferd" in proc.stdout
