@@ -95,6 +95,46 @@ def open_segment(name: Any, policy: SegmentPolicy | None = None) -> tuple[torch.
     return storage, size
 
 
+def open_device_segment(device: dict[str, Any], policy: SegmentPolicy) -> tuple[torch.UntypedStorage, int]:
+    """The segment of an attach: the runner's open descriptor ``fd`` when the map names one
+    (protocol 1.2) and the daemon may open it, else /dev/shm/<name>."""
+    fd = device.get("fd")
+    if fd is None:
+        return open_segment(device.get("name"), policy)
+    if type(fd) is not int or fd < 0:
+        raise AttachError("device.fd must be a non-negative int", ErrorCode.BAD_FIELD)
+    try:
+        return _open_runner_fd(fd, policy)
+    except AttachError:
+        if device.get("name") is None:
+            raise
+        return open_segment(device.get("name"), policy)  # e.g. a daemon of another user
+
+
+def _open_runner_fd(fd: int, policy: SegmentPolicy) -> tuple[torch.UntypedStorage, int]:
+    """Maps the file the attaching process holds open as ``fd`` (/proc/<pid>/fd/<fd>, pid
+    from the connection's kernel credentials): a file with no name, which no kill can leave
+    behind. The kernel lets only a process of the same user (or root) open it."""
+    if policy.peer is None:
+        raise AttachError("device.fd needs an ipc connection (the attaching process must be known)")
+    path = f"/proc/{policy.peer.pid}/fd/{fd}"
+    try:
+        opened = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise AttachError(f"cannot open the attaching process's fd {fd}: {exc.strerror}") from None
+    try:
+        st = os.fstat(opened)
+        refusal = policy.refusal(st)
+        if refusal is not None:
+            raise AttachError(f"the attaching process's fd {fd} {refusal}")
+        if st.st_size == 0:
+            raise AttachError(f"the attaching process's fd {fd} is empty")
+        storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{opened}", shared=True, nbytes=st.st_size)
+    finally:
+        os.close(opened)
+    return cast(torch.UntypedStorage, storage), st.st_size
+
+
 def _open_checked(name: str, policy: SegmentPolicy) -> tuple[int, int]:
     """(fd, size) of /dev/shm/<name>. The daemon opens it with its own rights, so it checks
     what the asking process could not have opened itself: a symbolic link (to a root-only
@@ -128,9 +168,9 @@ class CpuDeviceCache(DeviceCache):
     def __init__(self, backend: CpuBackend, layout: KVLayout, device: dict[str, Any], host: torch.Tensor) -> None:
         if device.get("kind") != "shm":
             raise AttachError("cpu backend needs device.kind = 'shm'", ErrorCode.BAD_FIELD)
-        storage, size = open_segment(device.get("name"), segment_policy(device))
+        storage, size = open_device_segment(device, segment_policy(device))
         self.layout = layout
-        self.segment = str(device["name"])
+        self.segment = str(device.get("name") or "")
         offsets = validate_offsets(device.get("offsets"), layout, size)
         self._backend = backend
         self._storage: torch.UntypedStorage | None = storage
@@ -219,9 +259,11 @@ class CpuDeviceCache(DeviceCache):
     def orphaned(self) -> None:
         # The runner unlinks its segment when it closes its cache; one killed with SIGKILL
         # never does, and the name would pin the memory until reboot. Both sides are gone
-        # now (we closed our mapping), so the name can go.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, self.segment))
+        # now (we closed our mapping), so the name can go. (A segment attached by fd only
+        # has no name.)
+        if self.segment:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, self.segment))
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "segment": self.segment, "groups": len(self.groups)}

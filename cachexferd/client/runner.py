@@ -20,7 +20,7 @@ import os
 import uuid
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -190,11 +190,17 @@ class RunnerClient:
     def daemon_info(self) -> dict[str, Any]:
         return self.link.info
 
-    def attach(self, cache: DeviceCacheHandle) -> dict[str, Any]:
-        cmd = Attach(
-            req_id=self._req_id(), layout=cache.layout.to_wire(), device=cache.device_handle(), pid=os.getpid()
-        )
-        return check_ok(self.link.call(cmd, self.timeout_s))
+    def attach(self, cache: DeviceCacheHandle, supersede: bool = False) -> dict[str, Any]:
+        """Attaches ``cache``. A cache with an ``exposed()`` context (a ShmSegment-backed one)
+        has a name only for the duration of this call. ``supersede`` (protocol 1.2): replace
+        an attached runner of the same user that is gone or orphaned (docs/protocol.md)."""
+        exposed = getattr(cache, "exposed", None)
+        with exposed() if callable(exposed) else nullcontext():
+            cmd = Attach(
+                req_id=self._req_id(), layout=cache.layout.to_wire(), device=cache.device_handle(), pid=os.getpid(),
+                supersede=supersede,
+            )  # fmt: skip
+            return check_ok(self.link.call(cmd, self.timeout_s))
 
     def detach(self, drain_timeout_s: float | None = None) -> dict[str, Any]:
         """Returns once the daemon has closed every import: the memory may be freed then."""

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 from ..backends.base import AttachError, Backend, DeviceCache
 from ..host_cache import HostGeometry
 from ..protocol import ErrorCode, KVLayout, LayoutError, ProtocolError
+from ..security import segment_policy
 from .pidwatch import PidWatch
+from .supersede import RunnerProcess, supersede_refusal
 
 if TYPE_CHECKING:
     from ..config import DaemonConfig
@@ -52,6 +54,7 @@ class DeviceSlot:
         self.state = DeviceState.DETACHED
         self.cache: DeviceCache | None = None
         self.runner_pid: int | None = None
+        self._runner: RunnerProcess | None = None  # for ATTACH supersede (1.2)
         self._pid_watch: PidWatch | None = None
         self._owner_gone = False  # the attached runner died: remove what only it would have
         self._detach_done: asyncio.Future[dict[str, Any]] | None = None
@@ -61,16 +64,41 @@ class DeviceSlot:
             raise ProtocolError(ErrorCode.NOT_ATTACHED, f"no device cache attached (state {self.state.value})")
         return self.cache
 
-    def attach(self, layout_wire: dict[str, Any], device: dict[str, Any], pid: int | None) -> Awaitable[dict[str, Any]]:
+    def attach(
+        self, layout_wire: dict[str, Any], device: dict[str, Any], pid: int | None, supersede: bool = False
+    ) -> Awaitable[dict[str, Any]]:
         """Checks the request now (state, layout, host fit) and returns the import to await.
-        A failed attach changes nothing: the host geometry is bound only on success."""
+        A failed attach changes nothing: the host geometry is bound only on success. With
+        ``supersede``, an attached runner that is gone or orphaned is detached first."""
         try:
+            if supersede and self.state is DeviceState.ATTACHED:
+                return self._supersede(layout_wire, device, pid)
             layout, geometry = self._check_attach(layout_wire)
         except ProtocolError as exc:
             log.info("attach refused (runner pid %s): %s: %s", pid, exc.code.name, exc.detail)
             raise
         self.state = DeviceState.ATTACHING
         return self._import(layout, geometry, device, pid)
+
+    def _supersede(
+        self, layout_wire: dict[str, Any], device: dict[str, Any], pid: int | None
+    ) -> Awaitable[dict[str, Any]]:
+        asker = segment_policy(device).peer
+        refusal = supersede_refusal(self._runner, asker)
+        if refusal is not None:
+            raise ProtocolError(ErrorCode.ALREADY_ATTACHED, f"cannot supersede: {refusal}")
+        old = self.runner_pid
+        log.warning("runner pid %s supersedes runner pid %s (gone or orphaned)", pid, old)
+        self._owner_gone = True
+        drained = self.detach(f"superseded by runner pid {pid}", self.config.drain_timeout_s)
+
+        async def then_attach() -> dict[str, Any]:
+            await drained
+            layout, geometry = self._check_attach(layout_wire)
+            self.state = DeviceState.ATTACHING
+            return await self._import(layout, geometry, device, pid)
+
+        return then_attach()
 
     def _check_attach(self, layout_wire: dict[str, Any]) -> tuple[KVLayout, HostGeometry]:
         if self.state is not DeviceState.DETACHED:
@@ -99,7 +127,7 @@ class DeviceSlot:
             raise ProtocolError(ErrorCode.ATTACH_FAILED, f"{type(exc).__name__}: {exc}") from None
         self.host.commit(layout, geometry)
         self.state = DeviceState.ATTACHED
-        self._watch(pid)
+        self._watch(pid, device)
         self._publish()
         log.info("attached %s (runner pid %s)", self.cache.describe(), pid)
         return {
@@ -170,8 +198,9 @@ class DeviceSlot:
         m.mappings.set(self.cache.mappings if self.cache is not None else 0)
 
     # Runner liveness: a runner that dies while attached must not keep its memory mapped.
-    def _watch(self, pid: int | None) -> None:
+    def _watch(self, pid: int | None, device: dict[str, Any]) -> None:
         self.runner_pid = pid
+        self._runner = RunnerProcess.note(pid, segment_policy(device).peer)
         if pid is not None and self.config.watch_runner_pid:
             self._pid_watch = PidWatch(pid, self._on_runner_exit)
 

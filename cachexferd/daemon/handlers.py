@@ -98,16 +98,17 @@ class Handlers(StorageHandlers):
             "limits": {**limits, "max_batch": Limits.MAX_BATCH},
             "batch": True,  # BATCH envelopes accepted (protocol 1.1)
             "pid": os.getpid(),
+            "host_generation": self.host.generation,  # protocol 1.2
         }
 
     def handle_ping(self, identity: bytes, cmd: Command) -> dict[str, Any]:
-        return {"time": time.time()}
+        return {"time": time.time(), "host_generation": self.host.generation}
 
     def handle_status(self, identity: bytes, cmd: Command) -> dict[str, Any]:
         return self._status()
 
     def handle_attach(self, identity: bytes, cmd: Attach) -> Awaitable[dict[str, Any]]:
-        return self.device.attach(cmd.layout, cmd.device, cmd.pid)
+        return self.device.attach(cmd.layout, cmd.device, cmd.pid, cmd.supersede)
 
     def handle_detach(self, identity: bytes, cmd: Detach) -> Awaitable[dict[str, Any]]:
         timeout = self.config.daemon.drain_timeout_s if cmd.drain_timeout_s is None else cmd.drain_timeout_s
@@ -133,29 +134,36 @@ class Handlers(StorageHandlers):
     # Asynchronous commands ------------------------------------------------------------
 
     def handle_swap_out(self, cmd: SwapOut) -> Job:
-        return self._swap_job(cmd.device_ids, cmd.host_ids, Direction.D2H)
+        return self._swap_job(cmd.device_ids, cmd.host_ids, Direction.D2H, cmd.owner, cmd.not_after)
 
     def handle_swap_in(self, cmd: SwapIn) -> Job:
-        return self._swap_job(cmd.device_ids, cmd.host_ids, Direction.H2D)
+        return self._swap_job(cmd.device_ids, cmd.host_ids, Direction.H2D, cmd.owner, cmd.not_after)
 
-    def _swap_job(self, device_ids: list[int], host_ids: list[int], direction: Direction) -> Job:
+    def _swap_job(
+        self, device_ids: list[int], host_ids: list[int], direction: Direction, owner: str | None,
+        not_after: float | None,
+    ) -> Job:  # fmt: skip
         self.pausing.require_running()
+        validate.require_in_time(not_after)
         cache = self.device.require()
         geometry = self.host.require_geometry()
         to_host = direction is Direction.D2H
         dest = "host" if to_host else "device"
         validate.swap_pairs(device_ids, host_ids, cache.layout.num_blocks, geometry.num_blocks, dest)
         if to_host:
-            self.host.stamp(host_ids)
+            self.host.stamp(host_ids, owner)
         else:
-            self.host.check_current(host_ids)
+            self.host.check_current(host_ids, owner)
         return Job(swap_access(device_ids, host_ids, to_host), copy=Copy(cache, direction, device_ids, host_ids))
 
     def handle_clear_host(self, cmd: ClearHost) -> Job:
         pool = self.host.pool
+        # Takes effect when accepted (like every stamp): a later SWAP_IN naming an owner is
+        # refused even if it arrives before the pool is actually cleared.
+        generation = self.host.clear()
 
         async def work(cancel: CancelToken) -> dict[str, Any]:
             freed = await asyncio.get_running_loop().run_in_executor(None, pool.discard)
-            return {"capacity_bytes": pool.capacity, "freed_bytes": freed}
+            return {"capacity_bytes": pool.capacity, "freed_bytes": freed, "host_generation": generation}
 
         return Job(Access(all_host_write=True), work)

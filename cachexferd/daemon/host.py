@@ -17,16 +17,23 @@ from ..protocol import ErrorCode, KVLayout, ProtocolError
 
 
 class HostCache:
-    """Also remembers, per host block, the weights version it was written under: a block is
-    stamped when the command that writes it is accepted (arrival order is the order of
-    effect), and a command that would read it under another version is refused."""
+    """Also remembers, per host block, the weights version it was written under and (protocol
+    1.2) the owner token of the command that wrote it. A block is stamped when the command
+    that writes it is accepted (arrival order is the order of effect); a command that would
+    read it under another version is refused (STALE_WEIGHTS), and one that names an owner
+    is refused unless the block still carries that owner (HOST_BLOCK_CHANGED).
+
+    ``generation`` counts CLEAR_HOSTs: every client can see (HELLO, PING, STATUS) that the
+    whole host cache was given up since it last looked."""
 
     def __init__(self, pool: HostPool, block_bytes: int) -> None:
         self.pool = pool
         self.geometry: HostGeometry | None = None
         self.fingerprint: str | None = None
         self.weights_version = 0
+        self.generation = 0
         self._versions = array("q")  # per host block
+        self.owners = OwnerStamps()
         if block_bytes:
             if block_bytes > pool.capacity:
                 raise ValueError(f"host_cache.block_bytes {block_bytes} exceeds capacity {pool.capacity}")
@@ -35,15 +42,19 @@ class HostCache:
     def _set_geometry(self, geometry: HostGeometry) -> None:
         self.geometry = geometry
         self._versions = array("q", [self.weights_version]) * geometry.num_blocks
+        self.owners.resize(geometry.num_blocks)
 
-    def stamp(self, host_ids: Sequence[int]) -> None:
-        """These blocks are about to hold KV computed under the current weights."""
+    def stamp(self, host_ids: Sequence[int], owner: str | None = None) -> None:
+        """These blocks are about to hold KV computed under the current weights, written by
+        ``owner`` (None: by nobody in particular)."""
         version, versions = self.weights_version, self._versions
         for h in host_ids:
             versions[h] = version
+        self.owners.stamp(host_ids, owner)
 
-    def check_current(self, host_ids: Sequence[int]) -> None:
-        """STALE_WEIGHTS unless every block was written under the current weights version."""
+    def check_current(self, host_ids: Sequence[int], owner: str | None = None) -> None:
+        """STALE_WEIGHTS unless every block was written under the current weights version;
+        with ``owner``, HOST_BLOCK_CHANGED unless every block was last written by it."""
         version, versions = self.weights_version, self._versions
         for h in host_ids:
             if versions[h] != version:
@@ -51,6 +62,14 @@ class HostCache:
                     ErrorCode.STALE_WEIGHTS,
                     f"host block {h} holds KV of weights version {versions[h]}; the daemon is at {version}",
                 )
+        if owner is not None:
+            self.owners.check(host_ids, owner)
+
+    def clear(self) -> int:
+        """CLEAR_HOST was accepted: no block belongs to anyone any more. Returns the new generation."""
+        self.generation += 1
+        self.owners.clear()
+        return self.generation
 
     def plan(self, layout: KVLayout) -> HostGeometry:
         """The geometry ``layout`` would use, checked against what the cache holds; binds nothing."""
@@ -95,4 +114,48 @@ class HostCache:
             "num_blocks": g.num_blocks if g else 0,
             "fingerprint": self.fingerprint,
             "weights_version": self.weights_version,
+            "generation": self.generation,
         }
+
+
+class OwnerStamps:
+    """The owner token of every host block, as a small int per block (0: no owner).
+
+    Tokens are numbered as they first appear; when the table is full it starts over, and
+    every block loses its owner (a later read that names one is refused, never wrongly served)."""
+
+    MAX_OWNERS = 4096
+
+    def __init__(self) -> None:
+        self._stamps = array("H")
+        self._ids: dict[str, int] = {}
+
+    def resize(self, num_blocks: int) -> None:
+        self._stamps = array("H", [0]) * num_blocks
+
+    def _id(self, owner: str) -> int:
+        found = self._ids.get(owner)
+        if found is not None:
+            return found
+        if len(self._ids) >= self.MAX_OWNERS:
+            self.clear()
+        self._ids[owner] = len(self._ids) + 1
+        return self._ids[owner]
+
+    def stamp(self, host_ids: Sequence[int], owner: str | None) -> None:
+        stamp, stamps = (0 if owner is None else self._id(owner)), self._stamps
+        for h in host_ids:
+            stamps[h] = stamp
+
+    def check(self, host_ids: Sequence[int], owner: str) -> None:
+        want, stamps = self._ids.get(owner), self._stamps
+        for h in host_ids:
+            if want is None or stamps[h] != want:
+                raise ProtocolError(
+                    ErrorCode.HOST_BLOCK_CHANGED,
+                    f"host block {h} was rewritten or cleared since owner {owner!r} wrote it",
+                )
+
+    def clear(self) -> None:
+        self._ids.clear()
+        self._stamps = array("H", [0]) * len(self._stamps)

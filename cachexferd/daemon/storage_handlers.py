@@ -53,13 +53,14 @@ class StorageHandlers:
             raise ProtocolError(ErrorCode.NOT_ATTACHED, "the layout of host blocks is unknown until the first attach")
         return geometry.num_blocks, geometry.block_bytes, fingerprint
 
-    def _validate(
-        self, keys: list[str], host_ids: list[int], device_ids: list[int] | None, writes_keys: bool
-    ) -> tuple[int, str, DeviceCache | None]:
+    def _validate(self, cmd: Store | Load, writes_keys: bool) -> tuple[int, str, DeviceCache | None]:
         """Checks a store/load; returns (block bytes, fingerprint, device cache or None).
-        Host blocks that will be written are stamped with the weights version; a store of
-        host blocks alone needs them to hold KV of the current version."""
+        Host blocks that will be written are stamped with the weights version (and the
+        command's owner); a store of host blocks alone needs them to hold KV of the current
+        version (and, when it names an owner, to be that owner's)."""
+        keys, host_ids, device_ids, owner = cmd.keys, cmd.host_ids, cmd.device_ids, cmd.owner
         self.pausing.require_running()
+        validate.require_in_time(cmd.not_after)
         host_blocks, block_bytes, fingerprint = self._geometry()
         validate.same_length(keys, host_ids, ("keys", "host_ids"))
         validate.ids_in_range(host_ids, host_blocks, "host_ids")
@@ -74,16 +75,16 @@ class StorageHandlers:
         else:  # load: host blocks are its destinations
             validate.unique_blocks(host_ids, "host")
         if writes_keys and device_ids is None:
-            self.host.check_current(host_ids)
+            self.host.check_current(host_ids, owner)
         else:
-            self.host.stamp(host_ids)
+            self.host.stamp(host_ids, owner)
         return block_bytes, fingerprint, cache
 
     # STORE ------------------------------------------------------------------------------
 
     def handle_store(self, cmd: Store) -> Job:
         tier = self._tier()
-        block_bytes, fingerprint, cache = self._validate(cmd.keys, cmd.host_ids, cmd.device_ids, writes_keys=True)
+        block_bytes, fingerprint, cache = self._validate(cmd, writes_keys=True)
         keys, host_ids, device_ids = cmd.keys, cmd.host_ids, cmd.device_ids
 
         async def work(cancel: CancelToken) -> dict[str, Any]:
@@ -105,7 +106,7 @@ class StorageHandlers:
 
     def handle_load(self, cmd: Load) -> Job:
         tier = self._tier()
-        block_bytes, fingerprint, cache = self._validate(cmd.keys, cmd.host_ids, cmd.device_ids, writes_keys=False)
+        block_bytes, fingerprint, cache = self._validate(cmd, writes_keys=False)
         keys, host_ids, device_ids = cmd.keys, cmd.host_ids, cmd.device_ids
 
         async def work(cancel: CancelToken) -> dict[str, Any]:

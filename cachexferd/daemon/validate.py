@@ -7,6 +7,7 @@ of a pairing is the destination. Each raises the documented error code.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
 from typing import TypeVar
 
@@ -58,3 +59,14 @@ def swap_pairs(device_ids: Sequence[int], host_ids: Sequence[int], device_blocks
     ids_in_range(device_ids, device_blocks, "device_ids")
     ids_in_range(host_ids, host_blocks, "host_ids")
     unique_blocks(device_ids if dest == "device" else host_ids, dest)
+
+
+def require_in_time(not_after: float | None) -> None:
+    """EXPIRED when a copy is read after its ``not_after`` time (protocol 1.2, wall clock).
+
+    Its sender has given up on it (it waited for a daemon that was stopped or starved):
+    copying now could land in blocks the engine has reused since."""
+    if not_after is not None:
+        late = time.time() - not_after
+        if late > 0:
+            raise ProtocolError(ErrorCode.EXPIRED, f"read {late:.3f}s after its not_after time")

@@ -10,7 +10,7 @@ from enum import IntEnum
 
 MAGIC = b"CX"
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1  # 1.1: BATCH envelope and EVENT_BATCH (negotiated in HELLO)
+PROTOCOL_MINOR = 2  # 1.1: BATCH envelope and EVENT_BATCH (negotiated in HELLO); 1.2: see docs/protocol.md §11
 HEADER_LEN = 4  # MAGIC (2 bytes) + major (u8) + message type (u8)
 
 
@@ -70,6 +70,8 @@ class ErrorCode(IntEnum):
     BAD_STATE = 20  # command not valid in the daemon's current lifecycle state
     STALE_WEIGHTS = 21  # host blocks written under another weights version
     PAUSED = 22  # copies are refused while the daemon is paused
+    HOST_BLOCK_CHANGED = 23  # (1.2) a host block no longer holds what its owner wrote there
+    EXPIRED = 24  # (1.2) a copy read after its not_after time
     # Storage tier (32..63).
     STORAGE_UNAVAILABLE = 32  # backend down or unreachable
     STORAGE_TIMEOUT = 33

@@ -17,6 +17,7 @@ from .constants import ErrorCode, Limits, MsgType
 from .errors import ProtocolError
 
 ROLES = frozenset({"engine", "runner", "tool"})
+OWNER_CHARS = 64  # longest owner token of a host block (protocol 1.2)
 STORAGE_SOURCES = frozenset({"host", "device"})
 
 
@@ -84,6 +85,8 @@ class Attach(Command):
     layout: dict[str, Any] = _spec(f.mapping())  # KVLayout.to_wire()
     device: dict[str, Any] = _spec(f.mapping())  # backend-specific handles, see docs/protocol.md
     pid: int | None = _spec(f.optional(f.integer(1, 1 << 31)), None)  # watched: its exit detaches
+    # Protocol 1.2: replace an attached runner that is gone or orphaned (same user only).
+    supersede: bool = _spec(f.boolean(), False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +129,10 @@ class SwapOut(Command):
     ASYNC = True
     device_ids: list[int] = _spec(f.int_list())
     host_ids: list[int] = _spec(f.int_list())
+    # Protocol 1.2: stamp the written host blocks with this owner token.
+    owner: str | None = _spec(f.optional(f.text(OWNER_CHARS)), None)
+    # Protocol 1.2: refused with EXPIRED when read after this time (daemon wall clock, epoch s).
+    not_after: float | None = _spec(f.optional(f.number(0.0, 1e12)), None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +143,9 @@ class SwapIn(Command):
     ASYNC = True
     device_ids: list[int] = _spec(f.int_list())
     host_ids: list[int] = _spec(f.int_list())
+    # Protocol 1.2: every host block read must carry this owner token (HOST_BLOCK_CHANGED).
+    owner: str | None = _spec(f.optional(f.text(OWNER_CHARS)), None)
+    not_after: float | None = _spec(f.optional(f.number(0.0, 1e12)), None)  # as SWAP_OUT's
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,6 +163,9 @@ class Store(Command):
     keys: list[str] = _spec(f.key_list())
     host_ids: list[int] = _spec(f.int_list())
     device_ids: list[int] | None = _spec(f.optional(f.int_list()), None)
+    # Protocol 1.2: the host blocks read must carry this owner token (STORE of host blocks)
+    owner: str | None = _spec(f.optional(f.text(OWNER_CHARS)), None)
+    not_after: float | None = _spec(f.optional(f.number(0.0, 1e12)), None)  # as SWAP_OUT's (1.2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +177,9 @@ class Load(Command):
     keys: list[str] = _spec(f.key_list())
     host_ids: list[int] = _spec(f.int_list())
     device_ids: list[int] | None = _spec(f.optional(f.int_list()), None)
+    # Protocol 1.2: stamp the written host blocks with this owner token
+    owner: str | None = _spec(f.optional(f.text(OWNER_CHARS)), None)
+    not_after: float | None = _spec(f.optional(f.number(0.0, 1e12)), None)  # as SWAP_OUT's (1.2)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,7 @@ from enum import IntEnum
 
 MAGIC = b"CX"
 MAJOR = 1
-MINOR = 1
+MINOR = 2
 
 
 class T(IntEnum):
@@ -69,6 +69,8 @@ class E(IntEnum):
     BAD_STATE = 20
     STALE_WEIGHTS = 21
     PAUSED = 22
+    HOST_BLOCK_CHANGED = 23
+    EXPIRED = 24
     STORAGE_UNAVAILABLE = 32
     STORAGE_TIMEOUT = 33
     STORAGE_ERROR = 34

@@ -35,7 +35,7 @@ def test_hello_reply(main: DaemonProc, connect: ClientFactory) -> None:
     reply = client.hello(pid=4242)
     assert reply.channel == "reply" and reply.body["op"] == T.HELLO and reply.body["rank"] == 0
     result = reply.result
-    assert result["protocol"] == [1, 1]
+    assert result["protocol"] == [1, 2]
     assert kinds(result) == {
         "protocol": ["int", "int"],
         "version": "str",
@@ -47,6 +47,7 @@ def test_hello_reply(main: DaemonProc, connect: ClientFactory) -> None:
         "limits": {"max_ids": "int", "max_keys": "int", "max_body_bytes": "int", "max_batch": "int"},
         "batch": "bool",
         "pid": "int",
+        "host_generation": "int",
     }
     assert result["backend"] == "cpu" and result["rank"] == 0
     assert result["state"] in ("detached", "attaching", "attached", "detaching")
@@ -73,7 +74,7 @@ def test_ping(main: DaemonProc, connect: ClientFactory) -> None:
     client = connect(main)
     reply = client.call(T.PING)
     assert reply.ok and reply.body["op"] == T.PING
-    assert kinds(reply.result) == {"time": "float"}
+    assert kinds(reply.result) == {"time": "float", "host_generation": "int"}
     assert abs(reply.result["time"] - time.time()) < 60, "PING time is the daemon's wall clock (epoch seconds)"
     assert reply.body["boot_id"] == client.boot_id
 
@@ -100,6 +101,7 @@ STATUS_KINDS_DETACHED = {
         "pinned": "bool",
         "block_bytes": "int",
         "num_blocks": "int",
+        "generation": "int",
     },
     "device": {"state": "str", "runner_pid": "nil"},
     "commands": {"queued": "int", "running": "int"},
