@@ -126,9 +126,11 @@ class OffloadIndex:
 
     def complete_load(self, hashes: Sequence[HashLike], failed: Sequence[HashLike] = ()) -> None:
         """The load of ``hashes`` (as given to prepare_load) finished: they may be evicted
-        again. Blocks read from storage become host blocks, except those in ``failed``
-        (missing in storage or unreadable): their host blocks are freed and the index stops
-        counting them as stored. Hashes that were not prepared are ignored."""
+        again. Blocks read from storage become host blocks. Blocks in ``failed`` are
+        forgotten in every tier, so no later lookup sends the engine after them again: a
+        block missing in storage or unreadable stops counting as stored, and one whose host
+        copy could not be read loses its host block too (once no other load holds it).
+        Hashes that were not prepared are ignored."""
         missing = set(_full_digests(failed))
         for digest in _full_digests(hashes):
             node = self._held.get(digest)
@@ -139,6 +141,8 @@ class OffloadIndex:
                 del self._held[digest]
             if self._loading.pop(digest, None) is not None:
                 self._finish_storage_read(node, ok=digest not in missing)
+            elif digest in missing:
+                self._forget(node)
             self.tree.settle(node)
         self.tree.recycle()
 
@@ -289,6 +293,18 @@ class OffloadIndex:
             self.tree.freed_host.append(self.tree.clear_host(node))
         node.flags &= ~STORED  # the store no longer has it
         self._event([node.digest], Tier.STORAGE, removed=True)
+
+    def _forget(self, node: Node) -> None:
+        """A host copy that failed to load: dropped with its stored mark, unless another
+        load still holds it (that load fails too, and drops it then)."""
+        if node.ref or node.flags & BUSY:
+            return
+        if node.host >= 0:
+            self.tree.freed_host.append(self.tree.clear_host(node))
+            self._event([node.digest], Tier.HOST, removed=True)
+        if node.flags & STORED:
+            node.flags &= ~STORED
+            self._event([node.digest], Tier.STORAGE, removed=True)
 
     def _unhold(self, nodes: list[Node]) -> None:
         for node in nodes:

@@ -226,3 +226,35 @@ def test_random_calls_keep_every_host_block_in_one_place() -> None:
         else:
             index.touch(chain)
         index.check()
+
+
+def test_a_failed_host_load_is_forgotten_in_every_tier() -> None:
+    """A block whose host copy could not be read is dropped, so lookups stop offering it
+    (an engine would otherwise load it, fail and recompute at every step)."""
+    index = OffloadIndex(4, SPACE, storage=True, debug=True)
+    a = blocks(1, 3)
+    offload(index, a)
+    assert index.lookup(a) == 3
+    load = index.prepare_load(a)
+    assert load.from_storage == []  # all three are host copies
+    index.complete_load(a, failed=[a[1]])
+    index.check()
+    assert index.lookup(a) == 1, "the failed block (and so what follows it) must miss"
+    assert index.host_free == 2  # 4 blocks, 3 stored, the failed one's freed
+    again = index.prepare_load(a[:1])  # the others are untouched
+    index.complete_load(a[:1])
+    assert again.host_ids == load.host_ids[:1]
+    index.check()
+
+
+def test_a_failed_load_held_by_another_load_is_dropped_when_the_last_one_fails() -> None:
+    index = OffloadIndex(4, SPACE, storage=False, debug=True)
+    a = blocks(2, 2)
+    offload(index, a)
+    index.prepare_load(a)
+    index.prepare_load(a)
+    index.complete_load(a, failed=a)  # the other load still reads these host blocks
+    assert index.host_free == 2
+    index.complete_load(a, failed=a)
+    assert index.lookup(a) == 0 and index.host_free == 4
+    index.check()
