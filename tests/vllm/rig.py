@@ -8,6 +8,8 @@ tokenizer (``w3 w4 ...``), made with transformers at test time (a few hundred KB
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -56,18 +58,26 @@ def transfer_config(endpoint: str, **options: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def engine_args(model: Path) -> dict[str, Any]:
-    """A small CPU engine: 8 MiB of KV cache (256 blocks of 32 tokens), eager, seeded."""
+BLOCK_BYTES = 16 << 10  # one vLLM block of the tiny model, all layers: 2 layers x K,V x 32 tokens x 64 x bf16
+
+
+def engine_args(model: Path, kv_blocks: int = 64) -> dict[str, Any]:
+    """A small CPU engine: ``kv_blocks`` blocks of 32 tokens of KV cache (few, so that vLLM
+    reuses blocks soon: its own prefix cache forgets and blocks with stores in flight are
+    waited for), eager, seeded."""
     return {
-        "model": str(model), "dtype": "bfloat16", "block_size": BLOCK, "kv_cache_memory_bytes": 8 << 20,
-        "max_model_len": 2048, "enforce_eager": True, "seed": 0, "max_num_seqs": 4,
+        "model": str(model), "dtype": "bfloat16", "block_size": BLOCK, "kv_cache_memory_bytes": kv_blocks * BLOCK_BYTES,
+        "max_model_len": 1024, "enforce_eager": True, "seed": 0, "max_num_seqs": 4,
         "distributed_executor_backend": "uni",
     }  # fmt: skip
 
 
-def start_daemon(root: Path, name: str, storage: Path, capacity: str = "16MiB", **settings: Any) -> DaemonProcess:
+def start_daemon(
+    root: Path, name: str, storage: Path, capacity: str = "16MiB", rank: int = 0, **settings: Any
+) -> DaemonProcess:
     daemon = DaemonProcess(
         root / name,
+        rank=rank,
         settings={
             "metrics.port": 0, "host_cache.capacity": capacity, "storage.backend": "file",
             "storage.path": str(storage), "daemon.drain_timeout_s": 5.0, **settings,
@@ -114,3 +124,36 @@ def attached_runner(daemon: DaemonProcess) -> int | None:
     except Exception:
         return None
     return device.get("runner_pid") if device.get("state") == "attached" else None
+
+
+def plugin_shm_files(pids: list[int] | None = None) -> list[str]:
+    """Files of the plug-in in /dev/shm: its segments (named only during an attach), and
+    torch's ``torch_<pid>_*`` files of the given processes (what the plug-in left before)."""
+    out = [p.name for p in Path("/dev/shm").glob("cachexferd-vllm-*")]
+    for pid in pids or []:
+        out += [p.name for p in Path("/dev/shm").glob(f"torch_{pid}_*")]
+    return sorted(out)
+
+
+def device_state(daemon: DaemonProcess) -> str:
+    return str(daemon.status(timeout_s=5)["device"]["state"])
+
+
+class BusyLoops:
+    """CPU-bound processes beside the engine (each ends by itself after ``limit_s``)."""
+
+    def __init__(self, count: int, limit_s: float = 300.0) -> None:
+        code = f"import time\nend = time.time() + {limit_s}\nwhile time.time() < end:\n    pass\n"
+        self.procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(count)]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+        for proc in self.procs:
+            proc.wait(10)
+
+    def __enter__(self) -> BusyLoops:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

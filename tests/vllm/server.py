@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 import urllib.error
@@ -13,7 +12,7 @@ from typing import Any
 
 from cachexferd.launch import ManagedProcess
 
-from .rig import engine_args
+from .rig import engine_args, wait_for
 
 
 def free_port() -> int:
@@ -23,7 +22,10 @@ def free_port() -> int:
 
 
 class VllmServer:
-    def __init__(self, model: Path, log_path: Path, transfer: dict[str, Any] | None) -> None:
+    def __init__(
+        self, model: Path, log_path: Path, transfer: dict[str, Any] | None, tp: int = 1,
+        env: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(model)
@@ -36,11 +38,13 @@ class VllmServer:
                 "--kv-cache-memory-bytes", str(args["kv_cache_memory_bytes"]),
                 "--max-model-len", str(args["max_model_len"]), "--enforce-eager", "--seed", "0",
                 "--max-num-seqs", str(args["max_num_seqs"]), "--enable-prompt-tokens-details",
-                "--distributed-executor-backend", "uni"]  # fmt: skip
+                "--distributed-executor-backend", "uni" if tp == 1 else "mp",
+                "--tensor-parallel-size", str(tp)]  # fmt: skip
         if transfer is not None:
             argv += ["--kv-transfer-config", json.dumps(transfer)]
         # Dev mode exposes POST /reset_prefix_cache; a separate engine process, as in production.
-        env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONUNBUFFERED": "1"}
+        env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONUNBUFFERED": "1",
+               **(env or {})}  # fmt: skip
         self.process = ManagedProcess("vllm serve", argv, log_path, self._healthy, env)
 
     def _healthy(self) -> bool:
@@ -77,6 +81,12 @@ class VllmServer:
         cached = ((out.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         return list(choice["tokens"]), [float(x) for x in choice["token_logprobs"]], int(cached)
 
+    @staticmethod
+    def tokens_of(tokens: list[str]) -> list[int]:
+        """Token ids of the tiny model's word-level tokens (``w<id>``)."""
+        specials = {"<unk>": 0, "<s>": 1, "</s>": 2}
+        return [specials[t] if t in specials else int(t.lstrip("w")) for t in tokens]
+
     def running_requests(self) -> float:
         """vLLM's own gauge of requests being processed (from its /metrics)."""
         text = urllib.request.urlopen(f"{self.url}/metrics", timeout=10).read().decode()
@@ -87,17 +97,9 @@ class VllmServer:
     def reset_prefix_cache(self) -> bool:
         return bool(self.post("/reset_prefix_cache").get("success"))
 
+    def reset(self) -> None:
+        """Empties vLLM's own prefix cache (refused while offload transfers still hold blocks)."""
+        wait_for(self.reset_prefix_cache, 30, "vLLM's prefix cache reset")
+
     def log_tail(self, lines: int = 40) -> str:
         return self.process.log_tail(lines)
-
-
-def remove_kv_files(pid: int) -> None:
-    """vLLM stops its engine process with SIGKILL, so torch never frees the worker's KV-cache
-    file in /dev/shm (``torch_<pid>_*``): remove it once that process is gone."""
-    try:
-        os.kill(pid, 0)
-        return  # still running: the file is in use
-    except OSError:
-        pass
-    for path in Path("/dev/shm").glob(f"torch_{pid}_*"):
-        path.unlink(missing_ok=True)

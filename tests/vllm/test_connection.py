@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,7 @@ import pytest
 from cachexferd.client.runner import ShmKVCache
 from cachexferd.integrations.vllm.connection import DaemonConnection
 from cachexferd.integrations.vllm.keys import VllmKeyNames, layout_name
+from cachexferd.integrations.vllm.liveness import Verdict
 from cachexferd.integrations.vllm.options import PluginOptions
 from cachexferd.launch import DaemonProcess
 
@@ -58,64 +59,77 @@ def cache() -> Iterator[ShmKVCache]:
 
 def connection(endpoint: str, cache: ShmKVCache | None = None) -> DaemonConnection:
     return DaemonConnection(
-        [endpoint], name="test", transfer_timeout_s=5, connect_timeout_s=5, retry_interval_s=INTERVAL, cache=cache
-    )
+        [endpoint], name="test", transfer_timeout_s=5, connect_timeout_s=5, retry_interval_s=INTERVAL,
+        lost_after_s=30, slow_after_s=0.3, cache=cache,
+    )  # fmt: skip
 
 
-def tick_until(conn: DaemonConnection, check: object, timeout_s: float) -> list[str]:
+def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s}s"
+        time.sleep(0.02)
+
+
+def tick_until(conn: DaemonConnection, check: Callable[[], bool], timeout_s: float) -> list[str]:
     """Ticks like an engine step loop; asserts no tick blocks; returns the loss reasons seen."""
     reasons: list[str] = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         start = time.monotonic()
         reason = conn.tick()
-        assert time.monotonic() - start < 0.5 or conn.up, "a tick blocked on the daemon"
+        assert time.monotonic() - start < 0.1, "a tick blocked on the daemon"
         if reason:
             reasons.append(reason)
-        if callable(check) and check():
+        if check():
             return reasons
         time.sleep(0.02)
     raise AssertionError(f"condition not reached in {timeout_s}s (reasons: {reasons})")
 
 
-def test_daemon_down_at_start_is_picked_up_later(short_tmp: Path, cache: ShmKVCache) -> None:
+def test_daemon_down_at_start_is_picked_up_without_engine_steps(short_tmp: Path, cache: ShmKVCache) -> None:
+    """An idle engine (no step, no tick) attaches once its daemon comes up."""
     daemon = DaemonProcess(short_tmp / "d", settings={"metrics.port": 0, "host_cache.capacity": "16MiB"})
     conn = connection(daemon.endpoint, cache)
     try:
         start = time.monotonic()
         assert not conn.start()
         assert time.monotonic() - start < 1, "start() waited for a daemon whose socket does not exist"
-        for _ in range(5):  # the engine steps on without it
-            assert conn.tick() is None and not conn.up
         daemon.start()
-        tick_until(conn, lambda: conn.up, 10)
-        assert attached_runner(daemon) == os.getpid()
+        wait_until(lambda: conn.up and attached_runner(daemon) == os.getpid(), 15, "attached by the keeper")
     finally:
         conn.close()
         daemon.stop()
     assert cache.tensors, "closing the connection must leave the runner's cache alone"
 
 
-def test_killed_paused_and_restarted_daemons(short_tmp: Path, cache: ShmKVCache) -> None:
+def test_hung_daemon_keeps_its_link_and_a_killed_one_is_replaced(short_tmp: Path, cache: ShmKVCache) -> None:
     daemon = start_daemon(short_tmp, "d", short_tmp / "storage")
     conn = connection(daemon.endpoint, cache)
     try:
         assert conn.start()
         first_boot = conn.boot_ids[0]
 
-        daemon.signal(signal.SIGSTOP)  # hung: pings go unanswered, ticks must not wait
+        daemon.signal(signal.SIGSTOP)  # hung (or starved): unresponsive, never lost
+        reasons = tick_until(conn, lambda: conn.verdict is Verdict.UNRESPONSIVE, 5)
+        assert not reasons and conn.up and not conn.usable
+        hung_for = time.monotonic() + 2.0
+        tick_until(conn, lambda: time.monotonic() > hung_for, 5)
+        assert conn.up and conn.boot_ids[0] == first_boot
+        daemon.signal(signal.SIGCONT)
+        reasons = tick_until(conn, lambda: conn.usable, 5)
+        assert not reasons and conn.boot_ids[0] == first_boot
+        assert metric(daemon, "cachexferd_commands_total", op="attach", outcome="ok") == 1, "re-attached"
+        assert "reply dropped" not in daemon.log_tail(200)
+
+        daemon.kill()  # SIGKILL while attached: lost at once (its process is gone), not after silence
+        killed = time.monotonic()
         reasons = tick_until(conn, lambda: not conn.up, 5)
-        assert "stopped answering" in reasons[0]
-        daemon.kill()
+        assert reasons and time.monotonic() - killed < 1.5, reasons
 
         daemon = start_daemon(short_tmp, "d", short_tmp / "storage")  # same endpoint, new boot
-        tick_until(conn, lambda: conn.up, 10)
+        wait_until(lambda: conn.up and attached_runner(daemon) == os.getpid(), 15, "re-attached by the keeper")
         assert conn.boot_ids[0] != first_boot
-        assert attached_runner(daemon) == os.getpid()
-
-        daemon.kill()  # SIGKILL while attached
-        reasons = tick_until(conn, lambda: not conn.up, 5)
-        assert reasons
     finally:
         conn.close()
         daemon.stop()

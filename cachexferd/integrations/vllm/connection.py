@@ -1,77 +1,53 @@
-"""A connection to the daemons of one or more ranks that never blocks a step on a dead one.
+"""A connection to the daemons of one or more ranks that never holds an engine step.
 
 vLLM calls the plug-in at every engine step, so nothing here may wait on a daemon that is
-down. A separate DEALER probes each daemon with PING (non-blocking send, replies read at the
-next tick); only once every daemon has answered does the connection make its blocking calls
-(hello, and for a worker the attach), each bounded by ``connect_timeout_s``. While up, the
-same probe keeps pinging: a daemon silent for three intervals counts as lost, and so does
-one whose replies carry a new boot id (it restarted and lost its host cache). The owner
-learns of a loss from ``tick()``'s return value and fails what it had in flight.
+down or behind. Each daemon is watched by a ``Probe`` (liveness.py) on a socket of its own.
+The blocking calls (hello, and for a worker the attach) are made by a keeper thread, only
+to daemons that have just answered, each bounded by ``connect_timeout_s``; the engine's
+thread only ever finds the connection up or not. So an idle engine attaches as soon as a
+daemon comes up, and a daemon that comes up late costs the engine nothing.
+
+Threads: the engine's thread uses ``client`` inside ``with conn.lock``; the keeper thread
+takes the same lock only for quick steps (reading probes, installing or dropping a
+client), never for a blocking call. Losses (liveness.py says what counts) are handled by
+whichever thread sees them first; the owner learns of one from ``tick()`` and fails what it
+had in flight.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
+import threading
 import time
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
 
 from ...client import EngineClient, RunnerClient
-from ...client.link import ClientError, Link
-from ...protocol import ErrorCode, Ping
+from ...client.link import ClientError
+from ...protocol import ErrorCode
+from .liveness import Probe, Verdict, orphaned, vllm_lineage
 from .shm_cache import PageCache
 
 log = logging.getLogger("vllm.cachexferd")  # a child of vLLM's logger: our lines show in its log
 
-# Outcomes that say the daemon (not the command) is the problem: the connection is reopened.
-CONNECTION_ERRORS = frozenset(
+# Outcomes that say the daemon or our attachment (not the command) is the problem.
+# Restart errors: the daemon we said hello to, or our attachment, is gone: the connection is
+# dropped and opened again. Link errors: the socket connection dropped with the command in
+# flight (the client fails those commands at once); whether the daemon is gone is for the
+# liveness checks to say: a stopped or starved daemon's connection can drop (ZeroMQ's
+# heartbeat) while the daemon keeps its attachment and its blocks. A command that merely took
+# long (CLIENT_TIMEOUT) is neither: a slow daemon keeps its link.
+RESTART_ERRORS = frozenset(
     {
-        ErrorCode.CLIENT_TIMEOUT, ErrorCode.DAEMON_RESTARTED, ErrorCode.SEND_FAILED, ErrorCode.STALE_BOOT,
-        ErrorCode.NOT_ATTACHED, ErrorCode.DETACHED, ErrorCode.SHUTTING_DOWN, ErrorCode.NO_EVENT_CHANNEL,
+        ErrorCode.DAEMON_RESTARTED, ErrorCode.STALE_BOOT, ErrorCode.NOT_ATTACHED, ErrorCode.DETACHED,
+        ErrorCode.SHUTTING_DOWN, ErrorCode.NO_EVENT_CHANNEL,
     }
 )  # fmt: skip
-_MISSED_PINGS = 3
-
-
-class Probe:
-    """PINGs one daemon from its own DEALER; remembers the last reply's time and boot id."""
-
-    def __init__(self, ctx: zmq.Context[Any], endpoint: str) -> None:
-        self.endpoint = endpoint
-        self.link = Link(ctx, endpoint)
-        self.boot_id: str | None = None  # from the last reply; None until one arrives
-        self.unanswered_since: float | None = None  # send time of the oldest unanswered ping
-        self._next_id = 0
-
-    def ping(self) -> bool:
-        """Sends a PING; False when no daemon has bound the ipc path (nothing is queued then)."""
-        if self.endpoint.startswith("ipc://") and not Path(self.endpoint[len("ipc://") :]).exists():
-            return False
-        self._next_id += 1
-        if self.unanswered_since is None:
-            self.unanswered_since = time.monotonic()
-        with contextlib.suppress(ClientError):  # a full queue: the next interval tries again
-            self.link.send(Ping(req_id=self._next_id))
-        return True
-
-    def drain(self) -> None:
-        while (outcome := self.link.recv_nowait()) is not None:
-            if outcome.ok:
-                self.boot_id = outcome.boot_id
-                self.unanswered_since = None
-
-    def silent_for(self, now: float) -> float:
-        """How long a ping has gone unanswered (0 when none is outstanding). Measured from
-        the ping, not the last reply, so a long gap between ticks is not mistaken for death."""
-        return 0.0 if self.unanswered_since is None else now - self.unanswered_since
-
-    def close(self) -> None:
-        self.link.close()
+LINK_ERRORS = frozenset({ErrorCode.DAEMON_LOST, ErrorCode.SEND_FAILED})
+CONNECTION_ERRORS = RESTART_ERRORS | LINK_ERRORS
 
 
 class DaemonConnection:
@@ -85,6 +61,8 @@ class DaemonConnection:
         transfer_timeout_s: float,
         connect_timeout_s: float,
         retry_interval_s: float,
+        lost_after_s: float = 30.0,
+        slow_after_s: float = 0.5,
         cache: PageCache | None = None,
     ) -> None:
         if cache is not None and len(endpoints) != 1:
@@ -94,89 +72,175 @@ class DaemonConnection:
         self.transfer_timeout_s = transfer_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.retry_interval_s = retry_interval_s
+        self.lost_after_s = lost_after_s
+        self.slow_after_s = slow_after_s
         self.cache = cache
+        self.lock = threading.RLock()
         self.client: EngineClient | None = None
         self.runner: RunnerClient | None = None
         self.hellos: list[dict[str, Any]] = []
         self.boot_ids: list[str] = []
         self.opened = 0  # successful (re)connections so far
+        self.verdict = Verdict.LOST
+        self.on_keeper_tick: list[Callable[[], None]] = []  # also run by the keeper (e.g. log flushes)
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._probes = [Probe(self._ctx, e) for e in self.endpoints]
         self._next_ping = 0.0
         self._next_open = 0.0
         self._last_error = ""
+        self._slow_logged = False
+        self._closed = False
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+        self._lineage = vllm_lineage() if cache is not None else []  # a worker watches vLLM's processes
 
     @property
     def up(self) -> bool:
         return self.client is not None
 
+    @property
+    def usable(self) -> bool:
+        """Up, answering, and every link has said hello under its current boot (a command
+        submitted otherwise would be held by the client until a new hello; we fail it instead)."""
+        client = self.client
+        return client is not None and self.verdict is Verdict.UP and all(client.core.boot_ids)
+
+    def generations(self) -> list[int | None]:
+        return [p.generation for p in self._probes]
+
+    def statuses(self) -> list[dict[str, Any]]:
+        """The last STATUS of each daemon (asked for once per boot, and by ``ask_status``)."""
+        return [p.status for p in self._probes]
+
+    def ask_status(self) -> None:
+        for probe in self._probes:
+            probe.ask_status()
+
+    # Start and keep ------------------------------------------------------------------------
+
     def start(self) -> bool:
-        """At start-up: waits (at most connect_timeout_s) for every daemon to answer, then opens."""
+        """At start-up: one bounded attempt to open, then the keeper thread keeps trying."""
         deadline = time.monotonic() + self.connect_timeout_s
-        if not all([probe.ping() for probe in self._probes]):
-            return False  # some daemon is not even listening: tick() picks it up later
-        self._next_ping = time.monotonic() + self.retry_interval_s
-        while time.monotonic() < deadline and not self._all_answered():
+        with self.lock:
+            pinged = all([probe.ping() for probe in self._probes])
+            self._next_ping = time.monotonic() + self.retry_interval_s
+        while pinged and time.monotonic() < deadline and not self._all_answered():
             time.sleep(0.01)
-            for probe in self._probes:
-                probe.drain()
-        if self._all_answered():
-            self._open()
+            with self.lock:
+                for probe in self._probes:
+                    probe.drain()
+        if pinged and self._all_answered():
+            self._try_open()
+        self._keeper = threading.Thread(target=self._keep, name=f"cachexferd-{self.name}", daemon=True)
+        self._keeper.start()
         return self.up
 
+    def _keep(self) -> None:
+        period = min(0.25, self.retry_interval_s / 2)
+        while not self._stop.wait(period):
+            try:
+                if self._orphaned():
+                    return
+                self.tick()
+                if self.client is None and self._all_answered() and time.monotonic() >= self._next_open:
+                    self._next_open = time.monotonic() + self.retry_interval_s
+                    self._try_open()
+                for callback in self.on_keeper_tick:
+                    callback()
+            except Exception:  # never let the keeper die: the engine would lose the daemon for good
+                log.exception("cachexferd: connection keeper error (continuing)")
+
+    def _orphaned(self) -> bool:
+        """A worker whose vLLM main process died (vLLM leaves its engine and worker processes
+        running then) lets go of its attachment: it would keep the daemon from the next vLLM."""
+        gone = orphaned(self._lineage) if self._lineage else None
+        if gone is None:
+            return False
+        log.warning("cachexferd: vLLM's process %d is gone (this worker is orphaned): detaching from %s",
+                    gone, self.endpoints)  # fmt: skip
+        self.close()
+        return True
+
+    # The engine's step ---------------------------------------------------------------------
+
     def tick(self) -> str | None:
-        """Call at every step boundary. Returns why the connection was just lost, else None."""
-        now = time.monotonic()
-        for probe in self._probes:
-            probe.drain()
-        if now >= self._next_ping:
-            self._next_ping = now + self.retry_interval_s
+        """Call at every step boundary (the keeper calls it too). Returns why the connection
+        was just lost, else None."""
+        with self.lock:
+            if self._closed:
+                return None
+            now = time.monotonic()
             for probe in self._probes:
-                probe.ping()
-        if self.client is not None:
-            reason = self._lost_reason(now)
+                probe.drain()
+            if now >= self._next_ping:
+                self._next_ping = now + self.retry_interval_s
+                for probe in self._probes:
+                    probe.ping()
+            if self.client is None:
+                return None
+            reason = self._judge(now)
             if reason:
                 self.lose(reason)
             return reason
-        if self._all_answered() and now >= self._next_open:
-            # A daemon that answers pings but refuses us (attach refused, say) is retried
-            # once per interval, not at every step.
-            self._next_open = now + self.retry_interval_s
-            self._open()
+
+    def _judge(self, now: float) -> str | None:
+        """Updates ``verdict``; returns a reason when the connection is lost."""
+        verdict, why = Verdict.UP, ""
+        for probe, boot in zip(self._probes, self.boot_ids):
+            v, reason = probe.verdict(now, boot, self.slow_after_s, self.lost_after_s)
+            if v is Verdict.LOST:
+                return reason
+            if v is Verdict.UNRESPONSIVE and verdict is Verdict.UP:
+                verdict, why = v, reason
+        client = self.client
+        if verdict is Verdict.UP and client is not None and not all(client.core.boot_ids):
+            # The client saw its connection drop (DAEMON_LOST) and says hello again when it
+            # is back; until then nothing can be sent. A gone daemon is LOST by the probe.
+            verdict, why = Verdict.UNRESPONSIVE, f"the connection to {self.endpoints} dropped"
+        if verdict is not self.verdict:
+            if verdict is Verdict.UNRESPONSIVE:
+                log.warning("cachexferd: %s; no new transfers until it answers", why)
+            elif self.verdict is Verdict.UNRESPONSIVE:
+                log.info("cachexferd: daemon(s) %s answer again", self.endpoints)
+        self.verdict = verdict
         return None
 
     def _all_answered(self) -> bool:
         return all(p.boot_id is not None for p in self._probes)
 
-    def _lost_reason(self, now: float) -> str | None:
-        for probe, boot in zip(self._probes, self.boot_ids):
-            if probe.boot_id is not None and probe.boot_id != boot:
-                return f"daemon at {probe.endpoint} restarted (boot {boot} -> {probe.boot_id})"
-            if probe.silent_for(now) > _MISSED_PINGS * self.retry_interval_s:
-                return f"daemon at {probe.endpoint} stopped answering"
-        return None
+    # Opening (keeper thread, or start) -------------------------------------------------------
 
-    def _open(self) -> None:
+    def _try_open(self) -> None:
         try:
-            client = EngineClient(self.endpoints, name=self.name, timeout_s=self.transfer_timeout_s)
-            try:
-                self.hellos = client.connect(timeout_s=self.connect_timeout_s)
-                if self.cache is not None:
-                    self.runner = self._attach(self.endpoints[0], self.cache)
-            except BaseException:
-                client.close()
-                raise
+            client, runner = self._connect()
         except (ClientError, OSError, zmq.ZMQError) as exc:
             if str(exc) != self._last_error:
                 log.warning("cachexferd: cannot use daemon(s) %s yet: %s", self.endpoints, exc)
             self._last_error = str(exc)
             return
-        self.client = client
-        self.boot_ids = [link.boot_id or "" for link in client.links]
-        self.opened += 1
+        with self.lock:
+            if self.client is not None or self._closed:  # lost the race (or shutting down)
+                _close_quietly(client, runner)
+                return
+            self.client, self.runner = client, runner
+            self.hellos = [link.info for link in client.links]
+            self.boot_ids = [link.boot_id or "" for link in client.links]
+            self.verdict = Verdict.UP
+            self.opened += 1
         self._last_error = ""
         log.info("cachexferd: connected to %s (boot %s)%s", self.endpoints, self.boot_ids,
                  ", KV cache attached" if self.cache is not None else "")  # fmt: skip
+
+    def _connect(self) -> tuple[EngineClient, RunnerClient | None]:
+        """Blocking (each call bounded by connect_timeout_s); touches no shared state."""
+        client = EngineClient(self.endpoints, name=self.name, timeout_s=self.transfer_timeout_s)
+        try:
+            client.connect(timeout_s=self.connect_timeout_s)
+            runner = self._attach(self.endpoints[0], self.cache) if self.cache is not None else None
+        except BaseException:
+            client.close()
+            raise
+        return client, runner
 
     def _attach(self, endpoint: str, cache: PageCache) -> RunnerClient:
         runner = RunnerClient(endpoint, name=f"{self.name}-runner", timeout_s=self.connect_timeout_s)
@@ -186,42 +250,63 @@ class DaemonConnection:
             except ClientError as exc:
                 if exc.code != ErrorCode.ALREADY_ATTACHED:
                     raise
-                # Our own earlier attach (a reconnect to the same daemon): replace it. Never
-                # detach a cache another process attached.
                 owner = runner.status().get("device", {}).get("runner_pid")
-                if owner != os.getpid():
-                    raise ClientError(exc.code, f"daemon already serves another runner (pid {owner})") from None
-                runner.detach()
-                runner.attach(cache)
+                if owner == os.getpid():
+                    # Our own earlier attach (a connection we dropped): replace it.
+                    runner.detach()
+                    runner.attach(cache)
+                else:
+                    # Another runner's: the daemon replaces it only if that one is gone or
+                    # orphaned and ran as our user (docs/vllm.md, "One runner per daemon").
+                    runner.attach(cache, supersede=True)
         except BaseException:
             runner.close()
             raise
         return runner
 
+    # Losing and closing -------------------------------------------------------------------------
+
     def lose(self, reason: str) -> None:
         """Drops the clients (their pending commands will never complete: the owner fails them)."""
-        log.warning("cachexferd: lost %s: %s; vLLM recomputes instead until it is back", self.endpoints, reason)
-        self._close_clients(detach=False)
-        for probe in self._probes:
-            probe.boot_id = None
-
-    def _close_clients(self, detach: bool) -> None:
-        if self.runner is not None:
-            if detach:
-                try:
-                    self.runner.detach()
-                except (ClientError, zmq.ZMQError) as exc:
-                    log.warning("cachexferd: detach from %s failed: %s", self.endpoints[0], exc)
-            self.runner.close()
-            self.runner = None
-        if self.client is not None:
-            self.client.close()
-            self.client = None
-        self.boot_ids = []
+        with self.lock:
+            if self.client is None:
+                return
+            log.warning("cachexferd: lost %s: %s; vLLM recomputes instead until it is back", self.endpoints, reason)
+            client, runner, self.client, self.runner = self.client, self.runner, None, None
+            self.boot_ids = []
+            self.verdict = Verdict.LOST
+            for probe in self._probes:
+                probe.forget()
+        _close_quietly(client, runner)
 
     def close(self) -> None:
         """Detaches (so vLLM may free its cache) and closes every socket."""
-        self._close_clients(detach=True)
-        for probe in self._probes:
-            probe.close()
+        self._stop.set()
+        with self.lock:
+            if self._closed:
+                return
+            self._closed = True
+            client, runner, self.client, self.runner = self.client, self.runner, None, None
+            self.boot_ids = []
+        if runner is not None:
+            try:
+                runner.detach()
+            except (ClientError, zmq.ZMQError) as exc:
+                log.warning("cachexferd: detach from %s failed: %s", self.endpoints[0], exc)
+        _close_quietly(client, runner)
+        keeper = self._keeper
+        if keeper is not None and keeper is not threading.current_thread():
+            keeper.join(timeout=self.connect_timeout_s * 2 + 1)
+        with self.lock:
+            for probe in self._probes:
+                probe.close()
         self._ctx.term()
+
+
+def _close_quietly(client: EngineClient | None, runner: RunnerClient | None) -> None:
+    for closable in (runner, client):
+        if closable is not None:
+            try:
+                closable.close()
+            except zmq.ZMQError as exc:
+                log.debug("cachexferd: close: %s", exc)

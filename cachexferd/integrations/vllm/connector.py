@@ -12,18 +12,24 @@ and keeps failures on the side; this connector hands them on:
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.config import VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorWorkerMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
-from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.outputs import KVConnectorOutput
-
+from .kv_memory import SegmentAllocation
 from .manager import CachexferdManager
-from .spec import RUNTIME_KEY
+from .spec import RUNTIME_KEY, CachexferdOffloadingSpec
+from .vllm_api import (
+    KVCacheConfig,
+    KVConnectorOutput,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    OffloadingConnector,
+    OffloadingWorkerMetadata,
+    VllmConfig,
+    backing_sizes,
+    instance_id,
+)
 from .worker import CachexferdWorker
 
 log = logging.getLogger("vllm.cachexferd")  # a child of vLLM's logger: our lines show in its log
@@ -52,11 +58,26 @@ class CachexferdConnector(OffloadingConnector):
         extra: dict[str, Any] = transfer.kv_connector_extra_config
         extra.setdefault("spec_name", SPEC_NAME)
         extra.setdefault("spec_module_path", SPEC_MODULE)
-        extra[RUNTIME_KEY] = {"hash_algo": str(vllm_config.cache_config.prefix_caching_hash_algo)}
+        extra[RUNTIME_KEY] = {
+            "hash_algo": str(vllm_config.cache_config.prefix_caching_hash_algo),
+            "instance": instance_id(vllm_config),
+        }
         if transfer.kv_load_failure_policy != "recompute" and role == KVConnectorRole.SCHEDULER:
             log.warning("cachexferd: kv_load_failure_policy is %r: requests whose KV load fails will fail "
                         "instead of being recomputed", transfer.kv_load_failure_policy)  # fmt: skip
         super().__init__(vllm_config, role, kv_cache_config)
+        self._cx_kv_cache_config = kv_cache_config
+
+    def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
+        """vLLM allocates its KV cache inside this: on CPU, in shared memory (kv_memory.py)."""
+        worker = self.connector_worker
+        if worker is None or not isinstance(worker.spec, CachexferdOffloadingSpec):
+            return None
+        if str(getattr(self._vllm_config.device_config, "device_type", "")) != "cpu":
+            return None  # GPUs: the cache is exported over CUDA IPC as vLLM allocated it
+        allocation = SegmentAllocation(backing_sizes(self._cx_kv_cache_config))
+        worker.spec.allocation = allocation
+        return allocation
 
     def _cx_worker(self) -> CachexferdWorker | None:
         worker = self.connector_worker.worker if self.connector_worker is not None else None

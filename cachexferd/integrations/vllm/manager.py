@@ -8,9 +8,12 @@ the index's plans into the specs the workers execute. Each request's stores are 
 one chain per KV-cache group (index_calls.py), so eviction takes a conversation's tail first.
 
 It also keeps a connection to every rank's daemon, which gives the host tier's size (the
-smallest host cache over the ranks) and notices a daemon that restarted: its host cache is
-gone, so the index is rebuilt empty. Until every daemon is reachable the manager reports
-misses and stores nothing, so vLLM runs as if there were no plug-in.
+smallest host cache over the ranks, from the STATUS its probes ask for) and notices what
+makes the host tier untrustworthy: a restarted daemon (new boot id) or a cleared host cache
+(a new host-cache generation) empties the index. Until every daemon is reachable the
+manager reports misses and stores nothing, so vLLM runs as if there were no plug-in. A
+failed load or store is forgotten in every tier (``mark_failed``), so vLLM is not sent after
+the same block again.
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ import logging
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-from vllm.v1.kv_offload.base import (
+from ...index import OffloadIndex
+from .connection import DaemonConnection
+from .index_calls import Chains, prepare_loads, prepare_stores
+from .keys import VllmKeyNames
+from .options import PluginOptions
+from .prefetch import StoragePrefetch
+from .transfer_specs import HostLoadSpec, HostStoreSpec
+from .vllm_api import (
     LoadStoreSpec,
     LookupResult,
     OffloadingManager,
@@ -31,15 +41,6 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
     get_offload_group_idx,
 )
-
-from ...client.link import ClientError
-from ...index import OffloadIndex
-from .connection import DaemonConnection
-from .index_calls import Chains, prepare_loads, prepare_stores
-from .keys import VllmKeyNames
-from .options import PluginOptions
-from .prefetch import StoragePrefetch
-from .transfer_specs import HostLoadSpec, HostStoreSpec
 
 log = logging.getLogger("vllm.cachexferd")  # a child of vLLM's logger: our lines show in its log
 
@@ -53,46 +54,58 @@ class CachexferdManager(OffloadingManager):
         names: VllmKeyNames,
         conn: DaemonConnection,
         make_index: IndexFactory | None = None,
+        owner: str = "",
     ) -> None:
         self.options = options
         self.names = names
         self.conn = conn
         self._make_index = make_index or (lambda blocks, storage: OffloadIndex(blocks, names.space, storage=storage))
         self.index: OffloadIndex | None = None
-        self._opened = -1  # conn.opened the index was built for
+        self._built_for: tuple[int, list[int | None]] = (-1, [])  # (conn.opened, host generations)
         self._failed: set[bytes] = set()  # digests the workers reported failed, until completed
-        self.prefetch = StoragePrefetch(names)
+        self.prefetch = StoragePrefetch(names, owner=owner, timeout_s=options.max_stall_s)
         self._storage = False  # whether the current index writes through to storage
-        self.stats = {"lookups": 0, "hits": 0, "loads": 0, "stores": 0, "store_refused": 0, "rebuilds": 0}
+        self.stats = {"lookups": 0, "hits": 0, "loads": 0, "stores": 0, "store_refused": 0, "rebuilds": 0,
+                      "failed": 0}  # fmt: skip
         conn.start()
         self._refresh()
 
     # Host tier and daemons -------------------------------------------------------------------
 
     def _refresh(self) -> OffloadIndex | None:
-        """The index, rebuilt after a (re)connection; None while a daemon is unreachable."""
-        if self.conn.tick() is not None or not self.conn.up:
-            if self.index is not None:
-                self.prefetch.reset()
-            self.index = None
-            return None
-        if self.index is None or self._opened != self.conn.opened:
-            self._opened = self.conn.opened
-            self.index = self._build_index()
-        return self.index
+        """The index, rebuilt after a (re)connection or a cleared host cache; None while a
+        daemon is unreachable or no worker has attached yet."""
+        with self.conn.lock:
+            if self.conn.tick() is not None or not self.conn.up:
+                self._drop_index()
+                return None
+            built_for = (self.conn.opened, self.conn.generations())
+            if self.index is not None and built_for != self._built_for:
+                if built_for[0] == self._built_for[0]:
+                    log.warning("cachexferd: a daemon's host cache was cleared (generation %s -> %s): "
+                                "the host tier starts empty", self._built_for[1], built_for[1])  # fmt: skip
+                self._drop_index()
+            if self.index is None:
+                self.index = self._build_index()
+                if self.index is not None:
+                    self._built_for = built_for
+            return self.index
+
+    def _drop_index(self) -> None:
+        if self.index is not None:
+            self.prefetch.reset()
+        self.index = None
 
     def _build_index(self) -> OffloadIndex | None:
-        try:
-            statuses = self.conn.client.status(timeout_s=self.options.connect_timeout_s) if self.conn.client else []
-        except ClientError as exc:
-            log.warning("cachexferd: status of the daemons failed: %s", exc)
-            return None
-        blocks = min(int(s.get("host_cache", {}).get("num_blocks", 0)) for s in statuses) if statuses else 0
-        if self.options.host_blocks:
+        """From the daemons' last STATUS (asked for by their probes: nothing blocks here)."""
+        statuses = self.conn.statuses()
+        blocks = min(int((s.get("host_cache") or {}).get("num_blocks", 0)) for s in statuses) if statuses else 0
+        if self.options.host_blocks and blocks:
             blocks = min(blocks, self.options.host_blocks)
         if blocks <= 0:
-            return None  # no worker has attached yet: the host block size is unknown
-        storage = self.options.storage == "write_through" and all("storage" in s for s in statuses)
+            self.conn.ask_status()  # no worker has attached yet: the host block size is unknown
+            return None
+        storage = self.options.uses_storage and all(_has_storage(s) for s in statuses)
         self._storage = storage
         self.prefetch.reset()
         self.stats["rebuilds"] += 1
@@ -109,10 +122,10 @@ class CachexferdManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        index = self._refresh()
+        index = self._refresh()  # (the scheduler's single thread uses the index; the lock guards the connection)
         self.stats["lookups"] += 1
-        if index is None:
-            return LookupResult.MISS
+        if index is None or not self.conn.usable:
+            return LookupResult.MISS  # a daemon behind: no load it could not serve (nor failure to forget)
         if index.lookup(self._digests([key])):
             self.stats["hits"] += 1
             return LookupResult.HIT
@@ -122,12 +135,16 @@ class CachexferdManager(OffloadingManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Once per step: file the storage answers, then send this step's questions."""
-        client = self.conn.client
-        if client is None or self.index is None:
-            return
-        for done in client.poll():
-            self.prefetch.on_completion(done, client, self.index)
-        self.prefetch.flush(client)
+        with self.conn.lock:
+            client = self.conn.client
+            if client is None or self.index is None:
+                return
+            for done in client.poll():
+                self.prefetch.on_completion(done, client, self.index)
+            if self.conn.usable:
+                self.prefetch.flush(client)
+            else:
+                self.prefetch.drop_queued()  # a daemon behind: these lookups are misses this time
 
     def has_pending_work(self) -> bool:
         return self.prefetch.busy
@@ -140,8 +157,7 @@ class CachexferdManager(OffloadingManager):
             return HostLoadSpec(req_context.req_id, keys, [-1] * len(keys), [False] * len(keys))
         placed = prepare_loads(index, self._digests(keys))
         self.stats["loads"] += 1
-        trusted = [self.prefetch.boots.get(h) for h in placed.host_ids]
-        return HostLoadSpec(req_context.req_id, keys, placed.host_ids, placed.from_storage, trusted)
+        return HostLoadSpec(req_context.req_id, keys, placed.host_ids, placed.from_storage)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         if self.index is not None:
@@ -151,16 +167,19 @@ class CachexferdManager(OffloadingManager):
         digests = self._digests(keys)
         failed = [d for d in digests if d in self._failed]
         self._failed.difference_update(failed)
+        self.stats["failed"] += len(failed)
         if self.index is not None:
             # After a rebuild the new index never saw these blocks: nothing to release.
+            # Failed ones are forgotten in every tier: no later lookup offers them again.
             with contextlib.suppress(KeyError):
                 self.index.complete_load(digests, failed=failed)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
         index = self._refresh()
-        if index is None:
-            # No daemon: store nothing (an empty plan, not None, keeps vLLM from warning per request).
+        if index is None or not self.conn.usable:
+            # No daemon (or one behind): store nothing (an empty plan, not None, keeps vLLM
+            # from warning per request).
             return PrepareStoreOutput(keys_to_store=[], store_spec=HostStoreSpec([], []), evicted_keys=[])
         digests = self._digests(keys)
         by_digest = dict(zip(digests, keys))
@@ -170,7 +189,6 @@ class CachexferdManager(OffloadingManager):
             self.stats["store_refused"] += 1
             return None
         self.stats["stores"] += 1
-        self.prefetch.forget_hosts(placed.host_ids)
         store_keys = [by_digest[d] for d in placed.digests]
         spec = HostStoreSpec(store_keys, placed.host_ids, write_through=placed.write_through)
         # Evicted keys only feed vLLM's KV events; the index reports evictions by digest.
@@ -180,6 +198,7 @@ class CachexferdManager(OffloadingManager):
         digests = self._digests(keys)
         failed = [d for d in digests if d in self._failed]
         self._failed.difference_update(failed)
+        self.stats["failed"] += len(failed)
         if self.index is None:
             return
         failed_set = set(failed)
@@ -194,8 +213,7 @@ class CachexferdManager(OffloadingManager):
         self._failed.update(self._digests(keys))
 
     def reset_cache(self) -> None:
-        self.index = None
-        self._opened = -1
+        self._drop_index()
         self._failed.clear()
         self._refresh()
 
@@ -206,6 +224,10 @@ class CachexferdManager(OffloadingManager):
     def describe(self) -> dict[str, Any]:
         return {"connected": self.conn.up, "index": self.index is not None, "promoted": self.prefetch.promoted,
                 **self.stats}  # fmt: skip
+
+
+def _has_storage(status: dict[str, Any]) -> bool:
+    return str((status.get("storage") or {}).get("backend", "none")) != "none"
 
 
 def _chains(req_context: ReqContext) -> Chains:

@@ -30,12 +30,20 @@ class PluginOptions:
     # to the daemon's storage, so it stays loadable after its host copy is evicted (used only
     # when the daemons have a storage backend).
     storage: str = "write_through"
-    # A transfer the daemon has not finished by then counts as failed (loads fall back to recompute).
+    # The longest a request (or an engine step) waits on the daemon: a load not done by then
+    # is recomputed, a store vLLM waits for is given up; a daemon silent that long gets no
+    # new transfers until it answers again.
+    max_stall_s: float = 0.5
+    # A store nobody waits for that the daemon has not finished by then counts as failed.
     transfer_timeout_s: float = 10.0
-    # Bound on each blocking call to a daemon that has just answered a probe (hello, attach).
+    # Bound on each blocking call to a daemon that has just answered a probe (hello, attach);
+    # these calls run on the plug-in's own thread, never on vLLM's.
     connect_timeout_s: float = 5.0
-    # How often a daemon that is down or refusing is probed again.
+    # How often daemons are pinged (and a daemon that is down or refusing tried again).
     retry_interval_s: float = 1.0
+    # A daemon that answers nothing for this long counts as lost (one on this host also as
+    # soon as its process is gone, or it answers with a new boot id).
+    lost_after_s: float = 30.0
     # Names the model in storage keys (default: vLLM's model name). Instances that should
     # share stored KV must use the same id, weights version and layout.
     model_id: str = ""
@@ -47,7 +55,7 @@ class PluginOptions:
             raise ValueError(f"cachexferd.storage must be one of {STORAGE_MODES}, got {self.storage!r}")
         if type(self.host_blocks) is not int or self.host_blocks < 0:
             raise ValueError(f"cachexferd.host_blocks must be an int >= 0, got {self.host_blocks!r}")
-        for name in ("transfer_timeout_s", "connect_timeout_s", "retry_interval_s"):
+        for name in ("max_stall_s", "transfer_timeout_s", "connect_timeout_s", "retry_interval_s", "lost_after_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"cachexferd.{name} must be a positive number, got {value!r}")

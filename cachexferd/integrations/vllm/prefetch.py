@@ -8,7 +8,10 @@ readable. vLLM's lookup answers RETRY meanwhile, so the request waits a step or 
 then loads the blocks from the host like any other hit.
 
 Blocks the storage does not have are remembered as misses for ``ttl_s``, so a cold prompt
-costs one LOOKUP, not one per step.
+costs one LOOKUP, not one per step. A LOOKUP or LOAD not answered within ``timeout_s`` is
+given up (its blocks are misses): a request never waits longer than that for the storage.
+The LOAD stamps the host blocks with the instance's owner token, which the workers' reads
+name (protocol 1.2).
 """
 
 from __future__ import annotations
@@ -17,14 +20,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from vllm.v1.kv_offload.base import OffloadKey
-
 from ...client import EngineClient
 from ...client.pending import Completion
 from ...index import OffloadIndex
 from ...protocol import MsgType
 from .index_calls import prepare_stores
 from .keys import VllmKeyNames
+from .vllm_api import OffloadKey
 
 log = logging.getLogger("vllm.cachexferd")  # a child of vLLM's logger: our lines show in its log
 
@@ -37,14 +39,15 @@ class _Batch:
 
 
 class StoragePrefetch:
-    def __init__(self, names: VllmKeyNames, ttl_s: float = 5.0) -> None:
+    def __init__(self, names: VllmKeyNames, ttl_s: float = 5.0, owner: str = "", timeout_s: float = 0.5) -> None:
         self.names = names
         self.ttl_s = ttl_s
+        self.owner = owner
+        self.timeout_s = timeout_s
         self._queued: dict[str, list[OffloadKey]] = {}  # req_id -> keys asked this step
         self._pending: dict[int, _Batch] = {}  # daemon req_id -> batch (LOOKUP or LOAD)
         self._inflight: set[OffloadKey] = set()
         self._missed: dict[OffloadKey, float] = {}  # key -> when the storage did not have it
-        self.boots: dict[int, tuple[str, ...]] = {}  # host block -> daemon boots that wrote it
         self.promoted = 0
 
     def consider(self, key: OffloadKey, req_id: str) -> bool:
@@ -67,7 +70,8 @@ class StoragePrefetch:
         """Sends this step's LOOKUPs (one per request: LOOKUP counts a contiguous prefix)."""
         for keys in self._queued.values():
             digests = [self.names.block_hash(k).digest for k in keys]
-            rid = client.lookup(self.names.space.keys_by_rank([self.names.block_hash(k) for k in keys]))
+            rid = client.lookup(self.names.space.keys_by_rank([self.names.block_hash(k) for k in keys]),
+                                timeout_s=self.timeout_s)  # fmt: skip
             self._pending[rid] = _Batch(keys, digests)
         self._queued.clear()
 
@@ -84,9 +88,6 @@ class StoragePrefetch:
             loaded = done.min_result("loaded") if done.ok else 0
             index.complete_store(batch.digests[:loaded], success=True)
             index.complete_store(batch.digests[loaded:], success=False)
-            boots = tuple(link.boot_id or "" for link in client.links)
-            for host in batch.host_ids[:loaded]:
-                self.boots[host] = boots
             self._miss(batch.keys[loaded:])
             self._inflight.difference_update(batch.keys[:loaded])
             self.promoted += loaded
@@ -100,9 +101,13 @@ class StoragePrefetch:
         wanted = set(placed.digests)
         keys = [k for k, d in zip(batch.keys, batch.digests) if d in wanted]
         self._inflight.difference_update(k for k, d in zip(batch.keys, batch.digests) if d not in wanted)
-        self.forget_hosts(placed.host_ids)
-        rid = client.load(self.names.space.keys_by_rank([self.names.block_hash(k) for k in keys]), placed.host_ids)
-        self._pending[rid] = _Batch(keys, list(placed.digests), list(placed.host_ids))
+        by_rank = self.names.space.keys_by_rank([self.names.block_hash(k) for k in keys])
+        host_ids = list(placed.host_ids)
+        # not_after: a daemon that reads it after we gave up refuses it (protocol 1.2).
+        fields = {"host_ids": host_ids, "device_ids": None, "owner": self.owner,
+                  "not_after": time.time() + self.timeout_s}  # fmt: skip
+        rid = client.submit(MsgType.LOAD, lambda rank: {**by_rank(rank), **fields}, self.timeout_s)
+        self._pending[rid] = _Batch(keys, list(placed.digests), host_ids)
 
     def _miss(self, keys: list[OffloadKey]) -> None:
         now = time.monotonic()
@@ -113,14 +118,14 @@ class StoragePrefetch:
             for key in sorted(self._missed, key=self._missed.__getitem__)[:50_000]:
                 del self._missed[key]
 
-    def forget_hosts(self, host_ids: list[int]) -> None:
-        """These host blocks are being rewritten: what we knew of their writer is void."""
-        for host in host_ids:
-            self.boots.pop(host, None)
+    def drop_queued(self) -> None:
+        """This step's questions are not sent (the daemon is behind): their keys are misses."""
+        for keys in self._queued.values():
+            self._inflight.difference_update(keys)
+        self._queued.clear()
 
     def reset(self) -> None:
         """The connection was lost: pending commands will never complete."""
         self._queued.clear()
         self._pending.clear()
         self._inflight.clear()
-        self.boots.clear()

@@ -1,26 +1,23 @@
 """vLLM's CPU KV cache as a cachexferd device cache, without a staging copy.
 
-On CPU, vLLM allocates every layer's KV cache as a view of one ``torch.zeros`` buffer and
-hands the offloading worker one ``[num_blocks, page_bytes]`` int8 view per layer. The cpu
-backend needs the runner's cache in a named POSIX shared-memory file, so the plug-in moves
-that buffer's storage into shared memory *in place* (``UntypedStorage._share_filename_cpu_``,
-a private torch API: torch copies the bytes into a new ``/dev/shm/torch_*`` file and swaps
-the storage's data pointer, so every view vLLM holds stays valid). Torch's file starts with
-a 64-byte header; the tensor offsets handed to the daemon are measured from the file start.
-docs/vllm.md explains why this beats a staging area (measured there).
+On CPU, vLLM allocates every layer's KV cache as a view of one buffer and hands the
+offloading worker one ``[num_blocks, page_bytes]`` int8 view per layer. The plug-in has
+that buffer allocated in a ShmSegment from the start (kv_memory.py); the worker attaches
+the segment with one daemon tensor per vLLM page tensor (``kind: shm``, offsets measured
+from the segment's start), and the daemon copies straight between vLLM's cache and its
+host cache. On GPUs the worker exports the cache over CUDA IPC instead (``cuda`` backend).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
 
+from ...client.shm_segment import ShmSegment
 from ...protocol import KVLayout
-
-SHM_DIR = "/dev/shm"
 
 
 class VllmCacheError(RuntimeError):
@@ -44,17 +41,6 @@ def page_layout(tensors: Sequence[torch.Tensor]) -> KVLayout:
     )  # fmt: skip
 
 
-def _shared_file(storage: torch.UntypedStorage) -> tuple[str, int]:
-    """Moves ``storage`` into a named shared-memory file (once); returns (name, data offset)."""
-    _manager, handle, size = storage._share_filename_cpu_()
-    name = handle.decode().lstrip("/")
-    file_size = os.stat(os.path.join(SHM_DIR, name)).st_size
-    header = file_size - size
-    if header < 0 or header > 4096:
-        raise VllmCacheError(f"unexpected shared-memory file {name}: {file_size} bytes for a {size}-byte storage")
-    return name, header
-
-
 class PageCache(Protocol):
     """What the worker attaches: a layout, attach handles and a way to let go."""
 
@@ -74,16 +60,25 @@ def cuda_page_cache(tensors: Sequence[torch.Tensor]) -> PageCache:
     return CudaKVCache.wrap(layout, views)
 
 
-def page_cache(tensors: Sequence[torch.Tensor]) -> PageCache:
+def page_cache(tensors: Sequence[torch.Tensor], segment: ShmSegment | None = None) -> PageCache:
+    """The attachable form of vLLM's page tensors: over CUDA IPC on a GPU, else the
+    ShmSegment vLLM's CPU buffer was allocated in (``segment``)."""
     if tensors and tensors[0].device.type == "cuda":
         return cuda_page_cache(tensors)
-    return VllmShmCache(tensors)
+    if segment is None:
+        raise VllmCacheError(
+            "vLLM allocated its CPU KV cache outside the plug-in's shared-memory allocation "
+            "(is this vLLM version supported? docs/vllm.md, 'vLLM versions')"
+        )
+    return VllmShmCache(tensors, segment)
 
 
 class VllmShmCache:
-    """vLLM's page tensors, now in one shared-memory file; implements DeviceCacheHandle."""
+    """vLLM's page tensors, all views of one ShmSegment; implements DeviceCacheHandle. The
+    daemon maps the segment by descriptor, or (first attach) by a name that exists only
+    inside ``exposed()`` (RunnerClient.attach uses it)."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], segment: ShmSegment) -> None:
         if any(t.device.type != "cpu" for t in tensors):
             raise VllmCacheError("VllmShmCache needs CPU tensors")
         self.layout = page_layout(tensors)
@@ -91,14 +86,21 @@ class VllmShmCache:
         if len(storages) != 1:
             raise VllmCacheError(f"KV cache tensors live in {len(storages)} allocations; expected vLLM's one buffer")
         storage = tensors[0].untyped_storage()
-        base_before = storage.data_ptr()
-        relative = [t.data_ptr() - base_before for t in tensors]
-        self.name, header = _shared_file(storage)
-        self.offsets = [header + r for r in relative]
-        self.tensors = list(tensors)  # keeps the storage (and so the file) alive until close
+        if storage.nbytes() != segment.size:
+            raise VllmCacheError(
+                f"vLLM's KV cache buffer ({storage.nbytes()} bytes) is not the shared-memory segment "
+                f"({segment.size} bytes) the plug-in allocated"
+            )
+        self.segment = segment
+        self.offsets = [t.data_ptr() - storage.data_ptr() for t in tensors]
+        self.tensors = list(tensors)  # keeps the mapping alive until close
+
+    def exposed(self) -> AbstractContextManager[str | None]:
+        return self.segment.exposed()
 
     def device_handle(self) -> dict[str, Any]:
-        return {"kind": "shm", "name": self.name, "offsets": list(self.offsets)}
+        return self.segment.device_map(self.offsets)
 
     def close(self) -> None:
         self.tensors = []
+        self.segment.close()

@@ -5,19 +5,21 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
-from vllm.v1.kv_offload.config import OffloadingConfig
+import torch
 
+from ...client.shm_segment import ShmSegment
 from .connection import DaemonConnection
 from .keys import VllmKeyNames, layout_name
+from .kv_memory import SegmentAllocation
 from .manager import CachexferdManager
 from .options import PluginOptions
-from .shm_cache import page_cache
-from .worker import CachexferdWorker
+from .shm_cache import VllmCacheError, page_cache
+from .vllm_api import CanonicalKVCaches, OffloadingConfig, OffloadingManager, OffloadingSpec, OffloadingWorker
+from .worker import CachexferdWorker, WorkerTimes
 
 log = logging.getLogger("vllm.cachexferd")  # a child of vLLM's logger: our lines show in its log
 
-RUNTIME_KEY = "cachexferd_runtime"  # facts the connector adds to the extra config (hash algorithm)
+RUNTIME_KEY = "cachexferd_runtime"  # facts the connector adds to the extra config (hash algorithm, instance)
 
 
 class CachexferdOffloadingSpec(OffloadingSpec):
@@ -46,6 +48,9 @@ class CachexferdOffloadingSpec(OffloadingSpec):
             dtype=config.model.dtype, layout=layout, tokens_per_block=group.tokens_per_block,
             tp_size=config.parallel.world_size,
         )  # fmt: skip
+        # Stamped on every host block this vLLM instance writes, checked on every read (1.2).
+        self.owner = f"vllm-{runtime.get('instance') or 'unknown'}-{self.names.space.digest[:16]}"[:64]
+        self.allocation: SegmentAllocation | None = None  # set by the connector (worker side, CPU)
         self._manager: CachexferdManager | None = None
         self._worker: CachexferdWorker | None = None
 
@@ -53,23 +58,37 @@ class CachexferdOffloadingSpec(OffloadingSpec):
         o = self.options
         return DaemonConnection(
             endpoints, name=name, transfer_timeout_s=o.transfer_timeout_s,
-            connect_timeout_s=o.connect_timeout_s, retry_interval_s=o.retry_interval_s, **kwargs,
+            connect_timeout_s=o.connect_timeout_s, retry_interval_s=o.retry_interval_s,
+            lost_after_s=o.lost_after_s, slow_after_s=o.max_stall_s, **kwargs,
         )  # fmt: skip
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             endpoints = [self.options.endpoint_for(r) for r in range(self.config.parallel.world_size)]
-            self._manager = CachexferdManager(self.options, self.names, self._connection(endpoints, "vllm-scheduler"))
+            conn = self._connection(endpoints, "vllm-scheduler")
+            self._manager = CachexferdManager(self.options, self.names, conn, owner=self.owner)
             log.info("cachexferd: scheduler side up (daemons %s, storage keys %s)", endpoints, self.names.space.digest)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             rank = self.config.parallel.rank
-            cache = page_cache([t.tensor for t in kv_caches.tensors])
+            tensors = [t.tensor for t in kv_caches.tensors]
+            segment = _checked_segment(self.allocation, tensors)
+            cache = page_cache(tensors, segment)
             conn = self._connection([self.options.endpoint_for(rank)], f"vllm-worker-{rank}", cache=cache)
+            times = WorkerTimes(self.options.max_stall_s, self.options.transfer_timeout_s)
+            self._worker = CachexferdWorker(conn, self.names, rank, times, self.owner)
             if not conn.start():
                 log.warning("cachexferd: daemon %s not reachable at start; vLLM serves without it until it is",
                             self.options.endpoint_for(rank))  # fmt: skip
-            self._worker = CachexferdWorker(conn, self.names, rank, self.options.transfer_timeout_s)
         return self._worker
+
+
+def _checked_segment(allocation: SegmentAllocation | None, tensors: list[torch.Tensor]) -> ShmSegment | None:
+    """The segment vLLM's KV buffer was allocated in, checked to be the one these tensors view."""
+    if allocation is None or allocation.segment is None or allocation.tensor is None:
+        return None
+    if {t.untyped_storage().data_ptr() for t in tensors} != {allocation.tensor.data_ptr()}:
+        raise VllmCacheError("vLLM's KV cache tensors are not views of the plug-in's shared-memory buffer")
+    return allocation.segment

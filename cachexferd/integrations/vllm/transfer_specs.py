@@ -6,7 +6,7 @@ into the same number of blocks, and the manager allocates ids for all of them at
 
 from __future__ import annotations
 
-from vllm.v1.kv_offload.base import LoadStoreSpec, OffloadKey
+from .vllm_api import LoadStoreSpec, OffloadKey
 
 
 class HostStoreSpec(LoadStoreSpec):
@@ -34,23 +34,13 @@ class HostStoreSpec(LoadStoreSpec):
 
 class HostLoadSpec(LoadStoreSpec):
     """Load job: block ``i`` comes from host block ``host_ids[i]``; where ``from_storage[i]``
-    it is first read from storage into that host block (LOAD), else it is already there.
-    ``written_by[i]``, when set, holds the boot ids (per rank) of the daemons that wrote host
-    block ``i`` for the manager (storage promotions), which the workers did not see."""
+    it is first read from storage into that host block (LOAD), else it is already there."""
 
-    def __init__(
-        self,
-        req_id: str,
-        keys: list[OffloadKey],
-        host_ids: list[int],
-        from_storage: list[bool],
-        written_by: list[tuple[str, ...] | None] | None = None,
-    ) -> None:
+    def __init__(self, req_id: str, keys: list[OffloadKey], host_ids: list[int], from_storage: list[bool]) -> None:
         self.req_id = req_id
         self.keys = list(keys)
         self.host_ids = list(host_ids)
         self.from_storage = list(from_storage)
-        self.written_by = list(written_by) if written_by is not None else [None] * len(self.host_ids)
 
     def __repr__(self) -> str:
         return f"HostLoadSpec(req={self.req_id}, host_ids={self.host_ids}, from_storage={self.from_storage})"

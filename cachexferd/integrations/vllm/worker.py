@@ -1,32 +1,43 @@
 """Worker side: moves vLLM's KV blocks through this rank's daemon.
 
-Each store or load job becomes one or more asynchronous daemon commands (SWAP_OUT,
-SWAP_IN, STORE, LOAD) sent on one EngineClient; their completions are drained by
-``poll()`` when vLLM asks for finished jobs, once per step, with no thread of our own.
+Each store job becomes a SWAP_OUT (and, with write-through, a STORE of the same host blocks
+once the SWAP_OUT has succeeded); each load job a SWAP_IN (or a LOAD with device ids for
+blocks read from storage). Completions are drained by ``poll()`` when vLLM asks for finished
+jobs, once per step.
 
-vLLM asserts that every transfer succeeds, so this worker always reports success and
-keeps what failed on the side: the connector hands failed loads' GPU blocks to vLLM's
-recompute path and failed offload keys to the manager, which forgets them.
+Never holding vLLM up:
+- a job is only sent to a daemon that is up and answering (connection.py); otherwise it
+  fails at once: a load is recomputed, a store skipped;
+- a load not done within ``max_stall_s`` is given up (vLLM recomputes it), and so is a
+  store vLLM waits for (``wait``); a store nobody waits for has ``transfer_timeout_s``;
+- every copy carries that deadline as ``not_after``: a daemon that reads it later (it was
+  stopped or starved) refuses it, so it cannot land in blocks vLLM has reused since.
 
-A host block is only read back while the daemon that wrote it is still the one we talk
-to: the worker remembers the boot id under which each host block was written, and fails a
-load of a block written by an earlier boot (a restarted daemon has lost its host cache).
+vLLM asserts that every transfer succeeds, so this worker always reports success and keeps
+what failed on the side: the connector hands failed loads' GPU blocks to vLLM's recompute
+path and failed offload keys to the manager, which forgets them in every tier.
+
+Every host block this instance writes is stamped with its owner token, and every read names
+it (protocol 1.2): a block cleared (CLEAR_HOST), rewritten by another client, or lost with
+a restarted daemon is refused by the daemon (HOST_BLOCK_CHANGED) instead of being served.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, OffloadKey, TransferResult
+from typing import Any
 
 from ...client import EngineClient
 from ...client.pending import Completion
 from ...protocol import MsgType
-from .connection import CONNECTION_ERRORS, DaemonConnection
+from .connection import RESTART_ERRORS, DaemonConnection
+from .failures import FailureLog
 from .keys import VllmKeyNames
 from .transfer_specs import HostLoadSpec, HostStoreSpec
+from .vllm_api import GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, OffloadKey, TransferResult
 
 log = logging.getLogger("vllm.cachexferd")  # a child of vLLM's logger: our lines show in its log
 
@@ -37,10 +48,15 @@ class _Job:
     is_load: bool
     keys: list[OffloadKey]
     device_ids: list[int]
+    deadline: float  # monotonic: given up after this
     started: float = field(default_factory=time.monotonic)
     parts: int = 0  # daemon commands not yet completed
     failed: bool = False
     nbytes: int = 0
+
+    @property
+    def kind(self) -> str:
+        return "load" if self.is_load else "store"
 
 
 @dataclass
@@ -50,172 +66,207 @@ class _Part:
     device_ids: list[int]
     host_ids: list[int]
     keys: list[OffloadKey]
+    then_store: bool = False  # write-through: STORE the host blocks once this SWAP_OUT succeeded
 
 
-class FailureLog:
-    """Warns about failed transfers at most every ``interval_s``, with counts in between."""
-
-    def __init__(self, interval_s: float = 5.0) -> None:
-        self.interval_s = interval_s
-        self._last = 0.0
-        self._suppressed = 0
-
-    def warn(self, message: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last < self.interval_s:
-            self._suppressed += 1
-            return
-        more = f" ({self._suppressed} more since the last report)" if self._suppressed else ""
-        log.warning("cachexferd: " + message + more, *args)
-        self._last, self._suppressed = now, 0
+@dataclass
+class WorkerTimes:
+    max_stall_s: float  # loads, and stores vLLM waits for
+    transfer_timeout_s: float  # stores nobody waits for
 
 
 class CachexferdWorker(OffloadingWorker):
-    def __init__(self, conn: DaemonConnection, names: VllmKeyNames, rank: int, timeout_s: float) -> None:
+    def __init__(self, conn: DaemonConnection, names: VllmKeyNames, rank: int, times: WorkerTimes, owner: str) -> None:
         self.conn = conn
         self.names = names
         self.rank = rank
-        self.timeout_s = timeout_s
+        self.times = times
+        self.owner = owner
         self._parts: dict[int, _Part] = {}  # daemon req_id -> part
         self._jobs: dict[int, _Job] = {}  # vLLM job_id -> job in flight
         self._finished: list[TransferResult] = []
-        self._host_boot: dict[int, str] = {}  # host block -> boot id of the daemon that wrote it
+        self._writes: list[tuple[list[OffloadKey], list[int]]] = []  # write-through STOREs to send
         self.invalid_block_ids: set[int] = set()  # GPU blocks whose load failed (for recompute)
         self.failed_keys: list[OffloadKey] = []  # offload keys that are not where the manager thinks
-        self.stats = {"stores": 0, "loads": 0, "failed_stores": 0, "failed_loads": 0, "bytes": 0}
-        self._failures = FailureLog()
+        self.stats = {"stores": 0, "loads": 0, "failed_stores": 0, "failed_loads": 0, "given_up": 0, "bytes": 0}
+        self.failures = FailureLog()
+        conn.on_keeper_tick.append(self._flush_failures)
 
     # Submission ------------------------------------------------------------------------
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, HostStoreSpec)
-        job = _Job(job_id, False, dst_spec.keys, [int(b) for b in src_spec.block_ids])
-        self._jobs[job_id] = job
-        if len(job.device_ids) != len(dst_spec.host_ids):
-            return self._fail_now(job, f"store of {len(job.device_ids)} GPU blocks into {len(dst_spec.host_ids)}")
-        client = self._client()
-        if client is None:
-            return self._fail_now(job, "daemon not connected")
-        if dst_spec.evicted_keys:
-            # Same DEALER, sent first: the daemon reads these host blocks before the swap-out
-            # below may overwrite them (write-after-read keeps receive order).
-            rid = client.store(self.names.keys(dst_spec.evicted_keys, self.rank), dst_spec.evicted_host_ids)
-            self._parts[rid] = _Part(None, MsgType.STORE, [], dst_spec.evicted_host_ids, dst_spec.evicted_keys)
-        self._add_part(job, client.swap_out(job.device_ids, dst_spec.host_ids),
-                       MsgType.SWAP_OUT, job.device_ids, dst_spec.host_ids)  # fmt: skip
-        if dst_spec.write_through:
-            rid = client.store(self.names.keys(dst_spec.keys, self.rank), dst_spec.host_ids)
-            self._parts[rid] = _Part(None, MsgType.STORE, [], dst_spec.host_ids, dst_spec.keys)
-        return True
+        with self.conn.lock:
+            job = self._new_job(job_id, False, dst_spec.keys, src_spec.block_ids, self.times.transfer_timeout_s)
+            if len(job.device_ids) != len(dst_spec.host_ids):
+                return self._fail_now(job, f"store of {len(job.device_ids)} GPU blocks into {len(dst_spec.host_ids)}")
+            client, why = self._client()
+            if client is None:
+                return self._fail_now(job, why)
+            if dst_spec.evicted_keys:
+                # Same DEALER, sent first: the daemon reads these host blocks before the swap-out
+                # below may overwrite them (write-after-read keeps receive order).
+                self._send_store(client, dst_spec.evicted_keys, dst_spec.evicted_host_ids)
+            rid = client.submit(MsgType.SWAP_OUT, self._copy_fields(job, job.device_ids, dst_spec.host_ids),
+                                self._timeout(job))  # fmt: skip
+            self._add_part(job, rid, _Part(job, MsgType.SWAP_OUT, job.device_ids, dst_spec.host_ids, job.keys,
+                                           then_store=dst_spec.write_through))  # fmt: skip
+            return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         assert isinstance(src_spec, HostLoadSpec)
-        job = _Job(job_id, True, src_spec.keys, [int(b) for b in dst_spec.block_ids])
+        with self.conn.lock:
+            job = self._new_job(job_id, True, src_spec.keys, dst_spec.block_ids, self.times.max_stall_s)
+            if len(job.device_ids) != len(src_spec.host_ids):
+                return self._fail_now(job, f"load of {len(src_spec.host_ids)} blocks into {len(job.device_ids)}")
+            if any(h < 0 for h in src_spec.host_ids):
+                return self._fail_now(job, "the manager could not place every block")
+            client, why = self._client()
+            if client is None:
+                return self._fail_now(job, why)
+            rows = list(zip(job.device_ids, src_spec.host_ids, src_spec.keys, src_spec.from_storage))
+            swap = [(d, h, k) for d, h, k, from_storage in rows if not from_storage]
+            load = [(d, h, k) for d, h, k, from_storage in rows if from_storage]
+            if swap:
+                d, h, k = (list(x) for x in zip(*swap))
+                rid = client.submit(MsgType.SWAP_IN, self._copy_fields(job, d, h), self._timeout(job))
+                self._add_part(job, rid, _Part(job, MsgType.SWAP_IN, d, h, k))
+            if load:
+                d, h, k = (list(x) for x in zip(*load))
+                fields = {**self._copy_fields(job, d, h), "keys": self.names.keys(k, self.rank)}
+                rid = client.submit(MsgType.LOAD, fields, self._timeout(job))
+                self._add_part(job, rid, _Part(job, MsgType.LOAD, d, h, k))
+            if job.parts == 0:
+                self._finish(job)
+            return True
+
+    def _new_job(
+        self, job_id: int, is_load: bool, keys: list[OffloadKey], block_ids: Iterable[Any], budget: float
+    ) -> _Job:
+        job = _Job(job_id, is_load, list(keys), [int(b) for b in block_ids], time.monotonic() + budget)
         self._jobs[job_id] = job
-        if len(job.device_ids) != len(src_spec.host_ids):
-            return self._fail_now(job, f"load of {len(src_spec.host_ids)} blocks into {len(job.device_ids)} GPU blocks")
-        if any(h < 0 for h in src_spec.host_ids):
-            return self._fail_now(job, "the manager could not place every block")
-        client = self._client()
-        if client is None:
-            return self._fail_now(job, "daemon not connected")
-        boot = self.conn.boot_ids[0]
-        stale = [
-            h for h, s, by in zip(src_spec.host_ids, src_spec.from_storage, src_spec.written_by)
-            if not s and self._host_boot.get(h) != boot and (by is None or by[self.rank] != boot)
-        ]  # fmt: skip
-        if stale:
-            return self._fail_now(job, f"{len(stale)} host blocks were written before the daemon restarted")
-        swap = [(d, h, k) for d, h, k, s in zip(job.device_ids, src_spec.host_ids, src_spec.keys, src_spec.from_storage)
-                if not s]  # fmt: skip
-        load = [(d, h, k) for d, h, k, s in zip(job.device_ids, src_spec.host_ids, src_spec.keys, src_spec.from_storage)
-                if s]  # fmt: skip
-        if swap:
-            d, h, k = (list(x) for x in zip(*swap))
-            self._add_part(job, client.swap_in(d, h), MsgType.SWAP_IN, d, h, k)
-        if load:
-            d, h, k = (list(x) for x in zip(*load))
-            self._add_part(job, client.load(self.names.keys(k, self.rank), h, d), MsgType.LOAD, d, h, k)
-        if job.parts == 0:
-            self._finish(job)
-        return True
+        return job
 
-    def _client(self) -> EngineClient | None:
+    def _client(self) -> tuple[EngineClient | None, str]:
+        """The client when the daemon can take work now, else (None, why not)."""
+        reason = self.conn.tick()
+        if reason is not None:
+            self._fail_all(reason)
         if self.conn.client is None:
-            self._check_connection()
-        return self.conn.client
+            return None, "daemon not connected"
+        if not self.conn.usable:
+            return None, f"daemon {self.conn.verdict.value}"
+        return self.conn.client, ""
 
-    def _add_part(
-        self, job: _Job, rid: int, op: MsgType, device_ids: list[int], host_ids: list[int],
-        keys: list[OffloadKey] | None = None,
-    ) -> None:  # fmt: skip
+    def _copy_fields(self, job: _Job, device_ids: list[int], host_ids: list[int]) -> dict[str, object]:
+        # not_after is the daemon's wall clock (same host): refused if read after we gave up.
+        not_after = time.time() + (job.deadline - time.monotonic())
+        return {"device_ids": device_ids, "host_ids": host_ids, "owner": self.owner, "not_after": not_after}
+
+    @staticmethod
+    def _timeout(job: _Job) -> float:
+        return max(0.001, job.deadline - time.monotonic()) + 1.0  # the client's own bound: we give up first
+
+    def _add_part(self, job: _Job, rid: int, part: _Part) -> None:
         job.parts += 1
-        self._parts[rid] = _Part(job, op, device_ids, host_ids, keys if keys is not None else job.keys)
+        self._parts[rid] = part
+
+    def _send_store(self, client: EngineClient, keys: list[OffloadKey], host_ids: list[int]) -> None:
+        fields = {"keys": self.names.keys(keys, self.rank), "host_ids": host_ids, "device_ids": None,
+                  "owner": self.owner}  # fmt: skip
+        rid = client.submit(MsgType.STORE, fields)
+        self._parts[rid] = _Part(None, MsgType.STORE, [], host_ids, keys)
 
     # Completions -------------------------------------------------------------------------
 
     def get_finished(self) -> list[TransferResult]:
-        self._check_connection()
-        if self.conn.client is not None:
-            self._file(self.conn.client.poll())
-        done, self._finished = self._finished, []
-        return done
+        with self.conn.lock:
+            reason = self.conn.tick()
+            if reason is not None:
+                self._fail_all(reason)
+            client = self.conn.client
+            if client is not None:
+                self._file(client.poll())
+            self._expire(time.monotonic())
+            self._send_writes()
+            self.failures.flush()
+            done, self._finished = self._finished, []
+            return done
 
     def wait(self, job_ids: set[int]) -> None:
-        """Blocks until those jobs finished (or failed: at most ``timeout_s``)."""
-        deadline = time.monotonic() + self.timeout_s
-        while any(j in self._jobs for j in job_ids):
-            if self.conn.client is None or time.monotonic() > deadline:
-                self._fail_all("daemon did not finish transfers vLLM waits for")
-                break
-            self._file(self.conn.client.poll(timeout_ms=20))
-
-    def _check_connection(self) -> None:
-        reason = self.conn.tick()
-        if reason is not None:
-            self._fail_all(reason)
+        """Blocks until those jobs finished, at most ``max_stall_s``: then they are given up."""
+        with self.conn.lock:
+            deadline = time.monotonic() + self.times.max_stall_s
+            while any(j in self._jobs for j in job_ids):
+                client, why = self._client()
+                if client is None or time.monotonic() > deadline:
+                    why = why or f"not done within {self.times.max_stall_s}s"
+                    for job_id in job_ids:
+                        self._give_up(job_id, why)
+                    break
+                self._file(client.poll(timeout_ms=10))
+            self._send_writes()
 
     def _file(self, completions: list[Completion]) -> None:
         for done in completions:
             part = self._parts.pop(done.req_id, None)
             if part is None:
-                continue
-            if not done.ok and any(code in CONNECTION_ERRORS for code in self._codes(done)):
+                continue  # given up on already (or its job failed)
+            codes = {o.code for o in done.outcomes.values()}
+            if not done.ok and codes & RESTART_ERRORS:
                 self._fail_part(part, done.describe())
                 self.conn.lose(done.describe())
                 self._fail_all("connection lost")
                 return
-            self._complete_part(part, done)
-
-    @staticmethod
-    def _codes(done: Completion) -> list[int]:
-        return [o.code for o in done.outcomes.values()]
+            self._complete_part(part, done)  # a link error fails this command only
 
     def _complete_part(self, part: _Part, done: Completion) -> None:
-        if log.isEnabledFor(logging.DEBUG) and done.ok:
-            result = done.result()
-            run_s = float(result.get("finished_at", 0.0)) - float(result.get("started_at", 0.0))
-            log.debug("cachexferd: %s of %d blocks: %.1f ms from submit to completion, %.1f ms copying",
-                      done.op.name, len(part.host_ids), done.latency_s * 1000, run_s * 1000)  # fmt: skip
-        boot = self.conn.boot_ids[0] if self.conn.boot_ids else ""
+        if part.job is None:  # a storage write: a failure only means a later storage miss
+            if not done.ok or done.min_result("stored") < len(part.keys):
+                self.failures.note("storage write", done.describe())
+            return
         delivered = len(part.host_ids) if done.ok else 0
         if done.ok and part.op is MsgType.LOAD:
             delivered = done.min_result("loaded")
-        if part.op in (MsgType.SWAP_OUT, MsgType.LOAD):
-            for h in part.host_ids[:delivered]:
-                self._host_boot[h] = boot
-        if part.job is None:  # a storage write: a failure only means a later storage miss
-            if not done.ok or done.min_result("stored") < len(part.keys):
-                self._failures.warn("storage write of %d blocks incomplete: %s", len(part.keys), done.describe())
-            return
         if delivered < len(part.host_ids):
-            self._fail_part(part, done.describe() if not done.ok else f"storage delivered {delivered}/{len(part.keys)}",
-                            start=delivered)  # fmt: skip
+            why = done.describe() if not done.ok else f"storage delivered {delivered}/{len(part.keys)}"
+            self._fail_part(part, why, start=delivered)
         else:
             part.job.nbytes += int(done.result().get("bytes", 0))
+            if part.then_store:
+                self._writes.append((part.keys, part.host_ids))
         part.job.parts -= 1
         if part.job.parts == 0:
             self._finish(part.job)
+
+    def _send_writes(self) -> None:
+        """Write-through STOREs of host blocks whose SWAP_OUT succeeded (never of one that
+        failed: the host block would hold something else under these keys)."""
+        writes, self._writes = self._writes, []
+        client = self.conn.client
+        if client is None or not self.conn.usable:
+            for keys, _ in writes:
+                self.failures.note("storage write", f"{len(keys)} blocks not written: daemon unavailable")
+            return
+        for keys, host_ids in writes:
+            self._send_store(client, keys, host_ids)
+
+    # Failures -------------------------------------------------------------------------------
+
+    def _expire(self, now: float) -> None:
+        for job in [j for j in self._jobs.values() if j.deadline < now]:
+            self._give_up(job.job_id, f"not done within {job.deadline - job.started:.1f}s")
+
+    def _give_up(self, job_id: int, why: str) -> None:
+        job = self._jobs.get(job_id)
+        if job is None:
+            return
+        for rid, part in list(self._parts.items()):
+            if part.job is job:
+                del self._parts[rid]
+                self._fail_part(part, why)
+        self.stats["given_up"] += 1
+        self._finish(job)
 
     def _fail_part(self, part: _Part, why: str, start: int = 0) -> None:
         if part.job is None:
@@ -224,12 +275,11 @@ class CachexferdWorker(OffloadingWorker):
         if part.job.is_load:
             self.invalid_block_ids.update(part.device_ids[start:])
         self.failed_keys.extend(part.keys[start:])
-        kind = "load" if part.job.is_load else "store"
-        self._failures.warn("%s job %d failed (%s); vLLM recomputes what it needed", kind, part.job.job_id, why)
+        self.failures.note(part.job.kind, f"{part.job.kind} job {part.job.job_id}: {why}")
 
     def _fail_now(self, job: _Job, why: str) -> bool:
-        self._fail_part(_Part(job, MsgType.SWAP_IN if job.is_load else MsgType.SWAP_OUT, job.device_ids, [], job.keys),
-                        why)  # fmt: skip
+        op = MsgType.SWAP_IN if job.is_load else MsgType.SWAP_OUT
+        self._fail_part(_Part(job, op, job.device_ids, [], job.keys), why)
         self._finish(job)
         return True  # vLLM asserts on False; the failure travels on the side
 
@@ -238,6 +288,7 @@ class CachexferdWorker(OffloadingWorker):
             if part.job is not None and part.job.job_id in self._jobs:
                 self._fail_part(part, why)
         self._parts.clear()
+        self._writes.clear()
         for job in list(self._jobs.values()):
             self._finish(job)
 
@@ -254,17 +305,31 @@ class CachexferdWorker(OffloadingWorker):
                            transfer_time=(time.monotonic() - job.started) if job.nbytes else None)
         )  # fmt: skip
 
+    def _flush_failures(self) -> None:
+        with self.conn.lock:
+            self.failures.flush()
+
     # Side channel for the connector ----------------------------------------------------------
 
     def take_invalid_block_ids(self) -> set[int]:
-        out, self.invalid_block_ids = self.invalid_block_ids, set()
-        return out
+        with self.conn.lock:
+            out, self.invalid_block_ids = self.invalid_block_ids, set()
+            return out
 
     def take_failed_keys(self) -> list[OffloadKey]:
-        out, self.failed_keys = self.failed_keys, []
-        return out
+        with self.conn.lock:
+            out, self.failed_keys = self.failed_keys, []
+            return out
 
-    def shutdown(self) -> None:
-        self._fail_all("shutting down")
+    def shutdown(self, drain_s: float = 3.0) -> None:
+        """Lets stores in flight finish and their write-through STOREs reach the daemon
+        (at most ``drain_s``: a stored block outlives this vLLM), then lets go."""
+        with self.conn.lock:
+            deadline = time.monotonic() + drain_s
+            while self._parts and self.conn.client is not None and time.monotonic() < deadline:
+                self._file(self.conn.client.poll(timeout_ms=20))
+                self._send_writes()
+            self._fail_all("shutting down")
+            self.failures.flush(force=True)
         self.conn.close()
         log.info("cachexferd: worker rank %d done: %s", self.rank, self.stats)

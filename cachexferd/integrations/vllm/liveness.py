@@ -1,0 +1,205 @@
+"""Is a daemon there, slow, stopped, or gone? Answered without ever blocking.
+
+A ``Probe`` PINGs one daemon from a DEALER of its own (a non-blocking send; replies are
+read at the next look) and remembers the boot id, the daemon's pid (from a STATUS it asks
+for once per boot) and the host-cache generation the replies carry.
+
+What counts as what (``Probe.verdict``):
+
+- **lost**: a reply carries a new boot id (a restart: the host cache is gone); the
+  daemon's process no longer exists (checked in /proc when the daemon is on this host, an
+  ``ipc://`` endpoint); or no reply at all for ``lost_after_s`` (a daemon on another host,
+  or one hung for good).
+- **unresponsive**: alive but behind: a ping unanswered for ``slow_after_s``, or the process
+  stopped (SIGSTOP, a debugger). The link is kept (the daemon keeps its attachment and its
+  host blocks); the plug-in only stops giving it new work until it answers again.
+- **up**: otherwise.
+
+A daemon starved of CPU by the engine beside it answers late, not never: it is
+unresponsive for a moment, never lost, so a loaded machine does not make the link flap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from ...client.link import ClientError, Link
+from ...protocol import MsgType, Ping, Status
+
+
+class Verdict(Enum):
+    UP = "up"
+    UNRESPONSIVE = "unresponsive"
+    LOST = "lost"
+
+
+class Probe:
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.local = endpoint.startswith("ipc://")
+        self.link = Link(ctx, endpoint)
+        self.boot_id: str | None = None  # from the last reply; None until one arrives
+        self.pid: int | None = None  # the daemon's process, from a STATUS of this boot
+        self.generation: int | None = None  # host-cache generation (protocol 1.2; None from older daemons)
+        self.status: dict[str, Any] = {}  # the last STATUS result
+        self.unanswered_since: float | None = None  # send time of the oldest unanswered ping
+        self.last_reply = 0.0
+        self._next_id = 0
+        self._want_status = True
+
+    def ping(self) -> bool:
+        """Sends a PING (or a STATUS when one is due); False when nothing listens at the ipc path."""
+        if self.local and not Path(self.endpoint[len("ipc://") :]).exists():
+            return False
+        self._next_id += 1
+        now = time.monotonic()
+        if self.unanswered_since is None:
+            self.unanswered_since = now
+        cmd = Status(req_id=self._next_id) if self._want_status else Ping(req_id=self._next_id)
+        with contextlib.suppress(ClientError):  # a full queue: the next interval tries again
+            self.link.send(cmd)
+        return True
+
+    def ask_status(self) -> None:
+        """The next ping is a STATUS (its result lands in ``status``)."""
+        self._want_status = True
+
+    def drain(self) -> None:
+        while (outcome := self.link.recv_nowait()) is not None:
+            if not outcome.ok:
+                continue
+            if outcome.boot_id != self.boot_id:
+                self.pid = None
+                self._want_status = True  # learn the new boot's pid
+            self.boot_id = outcome.boot_id
+            self.unanswered_since = None
+            self.last_reply = time.monotonic()
+            result = outcome.result
+            if outcome.op == MsgType.STATUS:
+                self.status = result
+                pid = result.get("pid")
+                # Checked locally only when that pid is the daemon here (not another pid namespace).
+                self.pid = pid if self.local and isinstance(pid, int) and _is_daemon(pid) else None
+                host = result.get("host_cache") or {}
+                generation = host.get("generation")
+                # Until a runner attaches, the host block size (and count) is unknown: ask again.
+                self._want_status = not host.get("num_blocks")
+            else:
+                generation = result.get("host_generation")
+            if isinstance(generation, int):
+                self.generation = generation
+
+    def verdict(
+        self, now: float, known_boot: str | None, slow_after_s: float, lost_after_s: float
+    ) -> tuple[Verdict, str]:
+        """(verdict, why) for a daemon we hold a connection to (said hello under ``known_boot``)."""
+        if self.boot_id is not None and known_boot is not None and self.boot_id != known_boot:
+            return Verdict.LOST, f"daemon at {self.endpoint} restarted (boot {known_boot} -> {self.boot_id})"
+        state = process_state(self.pid) if self.pid is not None else "unknown"
+        if state == "gone":
+            return Verdict.LOST, f"daemon at {self.endpoint} (pid {self.pid}) exited"
+        silent = 0.0 if self.unanswered_since is None else now - self.unanswered_since
+        if silent > lost_after_s:
+            return Verdict.LOST, f"daemon at {self.endpoint} did not answer for {silent:.0f}s"
+        if state == "stopped":
+            return Verdict.UNRESPONSIVE, f"daemon at {self.endpoint} (pid {self.pid}) is stopped"
+        if silent > slow_after_s:
+            return Verdict.UNRESPONSIVE, f"daemon at {self.endpoint} has not answered for {silent:.1f}s"
+        return Verdict.UP, ""
+
+    def forget(self) -> None:
+        """After a loss: the next reply starts afresh."""
+        self.boot_id = None
+        self.pid = None
+        self.generation = None
+        self._want_status = True
+
+    def close(self) -> None:
+        self.link.close()
+
+
+def process_state(pid: int) -> str:
+    """'gone', 'stopped' or 'alive', from /proc/<pid>/stat (same pid namespace)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+    if state in (b"Z", b"X"):
+        return "gone"
+    if state in (b"T", b"t"):
+        return "stopped"
+    return "alive"
+
+
+def _is_daemon(pid: int) -> bool:
+    """Whether ``pid`` here is a cachexferd process (its command line names it)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"cachexferd" in f.read()
+    except OSError:
+        return False
+
+
+# Lineage: is this vLLM process orphaned? ------------------------------------------------------
+
+_SPAWNED = (b"VLLM::", b"multiprocessing.spawn", b"multiprocessing.forkserver")
+
+
+def vllm_lineage(max_depth: int = 6) -> list[tuple[int, int]]:
+    """(pid, start time) of the processes this one depends on: when it was started by vLLM
+    (a worker or engine-core process), its parent, and up through vLLM's own processes to
+    vLLM's main process (the first ancestor that vLLM did not spawn). Empty in a process the
+    user started (vLLM's in-process engine): nothing above it is vLLM's."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None:
+        return []
+    lineage: list[tuple[int, int]] = []
+    pid = os.getppid()
+    for _ in range(max_depth):
+        info = _stat_fields(pid)
+        if info is None or pid <= 1:
+            break
+        lineage.append((pid, info[1]))
+        if not _spawned(pid):
+            break  # vLLM's main process: its own parent (a shell, systemd) does not matter
+        pid = info[0]
+    return lineage
+
+
+def orphaned(lineage: list[tuple[int, int]]) -> int | None:
+    """The pid of the first process of ``lineage`` that is gone (or was replaced), else None."""
+    for pid, started in lineage:
+        info = _stat_fields(pid)
+        if info is None or info[1] != started:
+            return pid
+    return None
+
+
+def _stat_fields(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process; None when gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def _spawned(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return False
+    return cmdline.startswith(_SPAWNED[0]) or any(mark in cmdline for mark in _SPAWNED[1:])

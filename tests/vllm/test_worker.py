@@ -1,0 +1,123 @@
+"""The worker's bounds with a real daemon and no engine: a hang the liveness checks cannot
+see (a daemon that is running but never answers), and a killed daemon. vLLM's engine is not
+needed; its offloading types are (the worker speaks them)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup-vllm.sh makes a venv with it)")
+
+from cachexferd.client.runner import ShmKVCache
+from cachexferd.integrations.vllm import liveness
+from cachexferd.integrations.vllm.connection import DaemonConnection
+from cachexferd.integrations.vllm.keys import VllmKeyNames
+from cachexferd.integrations.vllm.transfer_specs import HostLoadSpec, HostStoreSpec
+from cachexferd.integrations.vllm.vllm_api import GPULoadStoreSpec
+from cachexferd.integrations.vllm.worker import CachexferdWorker, WorkerTimes
+from cachexferd.launch import DaemonProcess
+
+from ..helpers import SMALL
+from .rig import metric, start_daemon, wait_for
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
+STALL = 0.4
+NAMES = VllmKeyNames.create(model="m", weights_version="0", dtype="float16", layout="test", tokens_per_block=4,
+                            tp_size=1)  # fmt: skip
+
+
+@pytest.fixture
+def rig(short_tmp: Path) -> Iterator[tuple[DaemonProcess, ShmKVCache, CachexferdWorker]]:
+    daemon = start_daemon(short_tmp, "d", short_tmp / "storage")
+    cache = ShmKVCache(SMALL)
+    conn = DaemonConnection([daemon.endpoint], name="t", transfer_timeout_s=5, connect_timeout_s=5,
+                            retry_interval_s=0.2, lost_after_s=30, slow_after_s=30, cache=cache)  # fmt: skip
+    worker = CachexferdWorker(conn, NAMES, 0, WorkerTimes(STALL, 5.0), owner="test-owner")
+    assert conn.start()
+    yield daemon, cache, worker
+    worker.shutdown()
+    daemon.stop()
+    cache.close()
+
+
+def key(i: int) -> bytes:
+    return bytes([i]) * 32 + (0).to_bytes(4, "big")
+
+
+def gpu(ids: list[int]) -> GPULoadStoreSpec:
+    return GPULoadStoreSpec(ids, group_sizes=[len(ids)], block_indices=[0])
+
+
+def finished(worker: CachexferdWorker, job_id: int, timeout_s: float) -> float:
+    """Seconds until vLLM would see ``job_id`` finished (polled like engine steps)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if any(r.job_id == job_id for r in worker.get_finished()):
+            return time.monotonic() - start
+        time.sleep(0.01)
+    raise AssertionError(f"job {job_id} not finished in {timeout_s}s")
+
+
+def test_a_hang_it_cannot_see_is_given_up_and_the_late_copy_refused(
+    rig: tuple[DaemonProcess, ShmKVCache, CachexferdWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    daemon, cache, worker = rig
+    assert worker.submit_store(1, gpu([3]), HostStoreSpec([key(1)], [5]))
+    finished(worker, 1, 10)
+    assert not worker.take_failed_keys()
+    monkeypatch.setattr(liveness, "process_state", lambda pid: "alive")  # a hang that looks alive
+    target = cache.block_bytes(0, 9).clone()
+    daemon.signal(signal.SIGSTOP)
+    try:
+        assert worker.submit_load(2, HostLoadSpec("r", [key(1)], [5], [False]), gpu([9]))
+        seconds = finished(worker, 2, 5)
+        assert STALL <= seconds < STALL + 0.5, f"the load was given up after {seconds:.2f}s"
+        assert worker.take_invalid_block_ids() == {9}, "vLLM must recompute the block"
+        assert worker.take_failed_keys() == [key(1)], "the manager must forget the key"
+        assert worker.submit_store(3, gpu([4]), HostStoreSpec([key(3)], [6], write_through=True))
+        start = time.monotonic()
+        worker.wait({3})
+        assert time.monotonic() - start < STALL + 0.3, "wait() must give up after max_stall_s"
+    finally:
+        daemon.signal(signal.SIGCONT)
+    wait_for(lambda: metric(daemon, "cachexferd_commands_total", op="swap_in", outcome="expired") == 1, 20,
+             "the late SWAP_IN to be refused")  # fmt: skip
+    assert bool((cache.block_bytes(0, 9) == target).all()), "a copy vLLM gave up on reached its block"
+    # The store vLLM stopped waiting for may still copy into its host block (which the manager
+    # frees), but its blocks are never written to storage under its keys.
+    for _ in range(5):
+        worker.get_finished()
+        time.sleep(0.1)
+    assert metric(daemon, "cachexferd_commands_total", op="store", outcome="ok") == 0
+
+
+def test_nothing_is_held_for_a_killed_daemon(rig: tuple[DaemonProcess, ShmKVCache, CachexferdWorker]) -> None:
+    daemon, _, worker = rig
+    assert worker.submit_store(1, gpu([3]), HostStoreSpec([key(1)], [5]))
+    finished(worker, 1, 10)
+    daemon.kill()
+    time.sleep(0.3)
+    for job in range(2, 6):  # every job fails at once: none waits for a reconnect
+        assert worker.submit_store(job, gpu([job]), HostStoreSpec([key(job)], [job]))
+        assert finished(worker, job, 1) < 0.2
+    assert worker.submit_load(9, HostLoadSpec("r", [key(1)], [5], [False]), gpu([9]))
+    assert finished(worker, 9, 1) < 0.2
+    assert worker.take_invalid_block_ids() == {9}
+
+
+def test_an_unsupported_vllm_is_refused_with_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cachexferd.integrations.vllm.vllm_api import VLLM_VERSION, UnsupportedVllmError, check_version
+
+    check_version(VLLM_VERSION)  # the running one is supported (the plug-in imported)
+    check_version("0.32.7")
+    with pytest.raises(UnsupportedVllmError) as refused:
+        check_version("0.33.0")
+    message = str(refused.value)
+    assert "\n" not in message and "0.32.x" in message and "0.33.0" in message
+    monkeypatch.setenv("CACHEXFERD_VLLM_ANY_VERSION", "1")
+    check_version("0.33.0")
