@@ -101,5 +101,8 @@ class VllmServer:
         """Empties vLLM's own prefix cache (refused while offload transfers still hold blocks)."""
         wait_for(self.reset_prefix_cache, 30, "vLLM's prefix cache reset")
 
+    def log_text(self) -> str:
+        return self.process.log_path.read_text(errors="replace") if self.process.log_path.exists() else ""
+
     def log_tail(self, lines: int = 40) -> str:
         return self.process.log_tail(lines)

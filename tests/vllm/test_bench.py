@@ -1,5 +1,8 @@
 """The vLLM benchmark end to end at a tiny size: it runs, reports every turn of both
-engines, and the plug-in's engine stored blocks through the daemon. Not timed."""
+engines, and the plug-in's engine stored blocks through the daemon; and its memory runs:
+with a KV cache large enough to dominate the worker's memory, the worker with the plug-in
+peaks at no more than 1.1x the memory of vLLM alone (moving the KV cache into shared memory
+after vLLM allocated it peaked at twice the KV cache). Nothing here is timed."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ def test_tiny_benchmark_reports_both_engines(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     argv = [sys.executable, "-m", "cachexferd.integrations.vllm.bench", "--conversations", "2", "--turns", "2",
             "--history-tokens", "128", "--user-tokens", "32", "--reply-tokens", "32", "--gpu-blocks", "16",
-            "--json", str(out)]  # fmt: skip
+            "--memory-kv-mib", "768", "--no-faults", "--json", str(out)]  # fmt: skip
     # The benchmark's two engines need vLLM's default engine-core processes (conftest.py
     # turns them off for the in-process tests): two in-process engines would share the
     # connector's per-process state.
@@ -35,3 +38,8 @@ def test_tiny_benchmark_reports_both_engines(tmp_path: Path) -> None:
     assert all(r["ttft_s"] > 0 and r["prompt_tokens"] >= 160 for r in rows), rows
     assert data["daemon"]['cachexferd_transfer_bytes_total{direction="d2h"}'] > 0, data["daemon"]
     assert "first turns" in proc.stdout and "cachexferd" in proc.stdout
+    memory = data["memory"]
+    plain, plugged = memory["recompute"]["VmHWM"], memory["cachexferd"]["VmHWM"]
+    assert memory["recompute"]["kv_bytes"] == 768 << 20 and plain > 768 << 20, memory
+    assert plugged <= 1.1 * plain, f"worker peak RSS {plugged / 2**20:.0f} MiB vs vLLM alone {plain / 2**20:.0f} MiB"
+    assert "worker peak RSS" in proc.stdout and "start-up" in proc.stdout

@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -151,3 +152,48 @@ def test_refusing_daemon_is_retried_once_per_interval(short_tmp: Path, cache: Sh
     finally:
         conn.close()
         daemon.stop()
+
+
+def _lineage_in_child(queue: Any) -> None:
+    from cachexferd.integrations.vllm.liveness import vllm_lineage
+
+    queue.put(vllm_lineage())
+
+
+def test_a_spawned_process_watches_the_process_that_started_it() -> None:
+    """What an orphaned vLLM worker uses to notice that vLLM's main process is gone."""
+    import multiprocessing
+    import subprocess
+    import sys
+
+    from cachexferd.integrations.vllm.liveness import orphaned, vllm_lineage
+
+    assert vllm_lineage() == [], "a process the user started watches nothing above it"
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_lineage_in_child, args=(queue,))
+    child.start()
+    lineage = queue.get(timeout=60)
+    child.join(60)
+    assert [pid for pid, _ in lineage] == [os.getpid()], lineage
+    assert orphaned(lineage) is None
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    assert orphaned([(gone.pid, 1)]) == gone.pid
+
+
+def test_failures_are_logged_once_per_burst_with_counts(caplog: pytest.LogCaptureFixture) -> None:
+    from cachexferd.integrations.vllm.failures import FailureLog
+
+    failures = FailureLog(gap_s=0.2)
+    with caplog.at_level("WARNING", logger="vllm.cachexferd"):
+        for i in range(500):
+            failures.note("load" if i % 5 else "store", f"job {i}: daemon lost")
+            failures.flush()  # within the burst: nothing yet
+        assert failures.lines == 0
+        time.sleep(0.25)
+        failures.flush()
+        failures.flush()
+    assert failures.lines == 1
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "500 transfer(s) failed" in line and "load: 400, store: 100" in line and "job 0" in line

@@ -31,9 +31,10 @@ NAMES = VllmKeyNames.create(model="m", weights_version="0", dtype="float16", lay
                             tp_size=1)  # fmt: skip
 
 
-@pytest.fixture
-def rig(short_tmp: Path) -> Iterator[tuple[DaemonProcess, ShmKVCache, CachexferdWorker]]:
-    daemon = start_daemon(short_tmp, "d", short_tmp / "storage")
+@pytest.fixture(scope="module")
+def rig(cx_root: Path) -> Iterator[tuple[DaemonProcess, ShmKVCache, CachexferdWorker]]:
+    """One daemon for the module (its start is most of the cost): the last test kills it."""
+    daemon = start_daemon(cx_root, "d", cx_root / "storage")
     cache = ShmKVCache(SMALL)
     conn = DaemonConnection([daemon.endpoint], name="t", transfer_timeout_s=5, connect_timeout_s=5,
                             retry_interval_s=0.2, lost_after_s=30, slow_after_s=30, cache=cache)  # fmt: skip

@@ -12,6 +12,12 @@ host cache. Both engines (separate processes) get the same turns, interleaved, a
 turn's TTFT and prefill rate (prompt tokens / TTFT) are reported for returning turns (first
 turns, which no cache can help, show whether the two engines run alike on this machine),
 with the blocks and bytes the daemon moved.
+
+Also measured, each with vLLM alone in the same run:
+- memory: one engine of each kind with a larger KV cache (``--memory-kv-mib``), each in a
+  process of its own: start-up time and the worker's peak RSS (VmHWM);
+- stalls: the daemon killed while the engines are idle, then stopped (SIGSTOP): the
+  latency of the requests that follow, against vLLM alone's for the same requests.
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -56,21 +65,17 @@ def page_bytes_per_block(args: argparse.Namespace) -> int:
     return int(2 * args.kv_heads * (args.hidden // args.heads) * 2 * BLOCK * args.layers)
 
 
-def engine(args: argparse.Namespace, model: Path, endpoint: str | None) -> Any:
+def engine(args: argparse.Namespace, model: Path, endpoint: str | None, kv_blocks: int | None = None) -> Any:
     from vllm import LLM
 
-    kv_blocks = args.gpu_blocks
+    kv_blocks = kv_blocks or args.gpu_blocks
     extra: dict[str, Any] = {}
     if endpoint is not None:
-        extra["kv_transfer_config"] = {
-            "kv_connector": "CachexferdConnector", "kv_connector_module_path": "cachexferd.integrations.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"cachexferd": {"endpoint": endpoint, "storage": args.storage}},
-        }  # fmt: skip
+        extra["kv_transfer_config"] = transfer_config(endpoint, args.storage)
     return LLM(
         model=str(model), dtype="bfloat16", block_size=BLOCK, enforce_eager=True, seed=0, max_num_seqs=2,
-        kv_cache_memory_bytes=kv_blocks * page_bytes_per_block(args), max_model_len=(kv_blocks - 2) * BLOCK,
-        enable_prefix_caching=True, **extra,
+        kv_cache_memory_bytes=kv_blocks * page_bytes_per_block(args),
+        max_model_len=min(kv_blocks - 2, 8192 // BLOCK) * BLOCK, enable_prefix_caching=True, **extra,
     )  # fmt: skip
 
 
@@ -108,6 +113,108 @@ def conversation_turns(args: argparse.Namespace) -> list[tuple[int, int, list[in
     return out
 
 
+def transfer_config(endpoint: str, storage: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "CachexferdConnector", "kv_connector_module_path": "cachexferd.integrations.vllm",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"cachexferd": {"endpoint": endpoint, "storage": storage}},
+    }  # fmt: skip
+
+
+def peak_rss(pid: int) -> dict[str, int]:
+    """VmHWM (peak RSS) and VmRSS of a process, in bytes."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def new_engine(args: argparse.Namespace, model: Path, endpoint: str | None) -> tuple[Any, float, int | None]:
+    """(engine, start-up seconds, pid of its worker process)."""
+    import psutil
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    start = time.perf_counter()
+    llm = engine(args, model, endpoint)
+    seconds = time.perf_counter() - start
+    born = [p for p in me.children(recursive=True) if p.pid not in before]
+    # vLLM names its processes: VLLM::EngineCore, and under it VLLM::Worker (CPU: always a process).
+    workers = [p.pid for p in born if "Worker" in " ".join(p.cmdline())]
+    return llm, seconds, (workers[0] if workers else None)
+
+
+def measure_one(args: argparse.Namespace) -> dict[str, Any]:
+    """In a process of its own, vLLM in-process (this process is the worker): start-up and
+    peak RSS with a KV cache of --memory-kv-mib."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    blocks = args.memory_kv_mib * 2**20 // page_bytes_per_block(args)
+    start = time.perf_counter()
+    llm = engine(args, Path(args.model), args.endpoint or None, kv_blocks=blocks)
+    seconds = time.perf_counter() - start
+    ttft(llm, list(range(3, 3 + 8 * BLOCK)))
+    return {"startup_s": seconds, "kv_bytes": blocks * page_bytes_per_block(args), **peak_rss(os.getpid())}
+
+
+def memory_phase(args: argparse.Namespace, model: Path, endpoint: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, target in (("recompute", ""), ("cachexferd", endpoint)):
+        result = model.parent / f"memory-{name}.json"
+        argv = [sys.executable, "-m", "cachexferd.integrations.vllm.bench", "--measure-one", "--model", str(model),
+                "--endpoint", target, "--json", str(result), *_shape_args(args)]  # fmt: skip
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0 or not result.exists():
+            raise RuntimeError(f"memory run of {name} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        out[name] = json.loads(result.read_text())
+    return out
+
+
+def _shape_args(args: argparse.Namespace) -> list[str]:
+    return ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
+            "--kv-heads", str(args.kv_heads), "--memory-kv-mib", str(args.memory_kv_mib),
+            "--storage", args.storage]  # fmt: skip
+
+
+def wait_attached(daemon: DaemonProcess, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if daemon.status(timeout_s=2)["device"]["state"] == "attached":
+                return
+        except Exception:  # still starting
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the engine did not attach to the daemon within {timeout_s}s")
+
+
+def fault_phase(args: argparse.Namespace, engines: dict[str, Any], daemon: DaemonProcess) -> list[dict[str, Any]]:
+    """Requests right after the daemon was killed while idle, then while it is stopped."""
+    rows: list[dict[str, Any]] = []
+    turns = conversation_turns(argparse.Namespace(**{**vars(args), "turns": args.turns + 2}))
+    later = [t for t in turns if t[1] >= args.turns]  # returning conversations' next turns
+    for fault, requests in (("killed", later[: args.conversations]), ("stopped", later[args.conversations :])):
+        time.sleep(1.0)  # idle
+        daemon.signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        try:
+            for i, (conv, _, tokens) in enumerate(requests):
+                pair = list(engines.items())
+                for name, llm in pair if i % 2 == 0 else pair[::-1]:
+                    seconds, cached = ttft(llm, tokens)
+                    rows.append({"fault": fault, "engine": name, "conversation": conv, "ttft_s": seconds,
+                                 "cached_tokens": cached})  # fmt: skip
+        finally:
+            if fault == "stopped":
+                daemon.signal(signal.SIGCONT)
+        if fault == "killed":
+            daemon.kill()
+            daemon.start(timeout_s=60)  # a new daemon on the same endpoint: the engine attaches again
+            wait_attached(daemon)
+    return rows
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="cxb-"))
     model = make_model(root / "model", args.layers, args.hidden, args.heads, args.kv_heads)
@@ -120,8 +227,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     daemon = DaemonProcess(root / "rt", settings=settings)
     daemon.start(timeout_s=60)
     rows: list[dict[str, Any]] = []
+    result: dict[str, Any] = {
+        "args": vars(args),
+        "block_bytes": page_bytes_per_block(args),
+        "load_avg": os.getloadavg(),
+    }
     try:
-        plain, plugged = engine(args, model, None), engine(args, model, daemon.endpoint)
+        if args.memory_kv_mib:
+            result["memory"] = memory_phase(args, model, daemon.endpoint)
+        plain, plain_s, plain_pid = new_engine(args, model, None)
+        plugged, plugged_s, plugged_pid = new_engine(args, model, daemon.endpoint)
+        result["startup_s"] = {"recompute": plain_s, "cachexferd": plugged_s}
         warm = conversation_turns(argparse.Namespace(**{**vars(args), "conversations": 1, "turns": 1}))[0][2]
         ttft(plain, warm[:64]), ttft(plugged, warm[:64])  # first-request set-up out of the figures
         before = daemon_counters(daemon)
@@ -132,10 +248,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rows.append({"engine": name, "conversation": conv, "turn": turn, "prompt_tokens": len(tokens),
                              "cached_tokens": cached, "ttft_s": seconds})  # fmt: skip
         after = daemon_counters(daemon)
+        result["worker_rss"] = {name: peak_rss(pid) if pid else {} for name, pid in
+                                (("recompute", plain_pid), ("cachexferd", plugged_pid))}  # fmt: skip
+        if args.faults:
+            result["faults"] = fault_phase(args, {"recompute": plain, "cachexferd": plugged}, daemon)
     finally:
         daemon.stop()
-    moved = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    return {"args": vars(args), "rows": rows, "daemon": moved, "block_bytes": page_bytes_per_block(args)}
+    result["rows"] = rows
+    result["daemon"] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    return result
 
 
 def summarize(result: dict[str, Any]) -> str:
@@ -157,7 +278,43 @@ def summarize(result: dict[str, Any]) -> str:
     h2d = d.get('cachexferd_transfer_bytes_total{direction="h2d"}', 0)
     lines.append(f"daemon moved: d2h {d2h / 2**20:.1f} MiB ({d2h / bb:.0f} blocks), h2d {h2d / 2**20:.1f} MiB "
                  f"({h2d / bb:.0f} blocks), block {bb // 1024} KiB")  # fmt: skip
+    lines += _summarize_memory(result) + _summarize_faults(result)
+    lines.append("load average at start: " + " ".join(f"{x:.2f}" for x in result["load_avg"]))
     return "\n".join(lines)
+
+
+def _summarize_memory(result: dict[str, Any]) -> list[str]:
+    lines = []
+    startup, rss = result.get("startup_s", {}), result.get("worker_rss", {})
+    if startup:
+        lines.append("engines above: start-up " + ", ".join(f"{k} {v:.1f}s" for k, v in startup.items())
+                     + "; worker peak RSS " + ", ".join(f"{k} {v.get('VmHWM', 0) / 2**20:.0f} MiB"
+                                                        for k, v in rss.items()))  # fmt: skip
+    memory = result.get("memory")
+    if memory:
+        plain, plug = memory["recompute"], memory["cachexferd"]
+        lines.append(
+            f"memory, KV cache {plain['kv_bytes'] / 2**20:.0f} MiB: worker peak RSS recompute "
+            f"{plain['VmHWM'] / 2**20:.0f} MiB, cachexferd {plug['VmHWM'] / 2**20:.0f} MiB "
+            f"(ratio {plug['VmHWM'] / plain['VmHWM']:.2f}); start-up {plain['startup_s']:.1f}s vs "
+            f"{plug['startup_s']:.1f}s (ratio {plug['startup_s'] / plain['startup_s']:.2f})"
+        )
+    return lines
+
+
+def _summarize_faults(result: dict[str, Any]) -> list[str]:
+    lines = []
+    for fault in ("killed", "stopped"):
+        rows = [r for r in result.get("faults", []) if r["fault"] == fault]
+        if not rows:
+            continue
+        by = {name: [r["ttft_s"] for r in rows if r["engine"] == name] for name in ("recompute", "cachexferd")}
+        extra = max(p - r for p, r in zip(by["cachexferd"], by["recompute"]))
+        lines.append(
+            f"daemon {fault:<7} requests after: max TTFT recompute {max(by['recompute']) * 1000:.0f} ms, "
+            f"cachexferd {max(by['cachexferd']) * 1000:.0f} ms; the most a request took longer: {extra * 1000:.0f} ms"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,8 +332,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-capacity", default="1GiB", help="the daemon's host cache")
     p.add_argument("--storage", default="off", choices=("off", "write_through"))
     p.add_argument("--cpu-bind", default="0", help="VLLM_CPU_OMP_THREADS_BIND for both engines ('auto': vLLM's)")
+    p.add_argument("--memory-kv-mib", type=int, default=512, help="KV cache of the memory runs (0: skip them)")
+    p.add_argument("--no-faults", dest="faults", action="store_false", help="skip the daemon-fault requests")
     p.add_argument("--json", help="write every measurement here")
+    p.add_argument("--measure-one", action="store_true", help=argparse.SUPPRESS)  # one memory run (internal)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.measure_one:  # vLLM logs to stdout too: the figures go to the --json file
+        Path(args.json).write_text(json.dumps(measure_one(args)))
+        return 0
     result = run(args)
     print(summarize(result))
     if args.json:

@@ -86,6 +86,7 @@ class DaemonConnection:
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._probes = [Probe(self._ctx, e) for e in self.endpoints]
         self._next_ping = 0.0
+        self._last_nudge = 0.0
         self._next_open = 0.0
         self._last_error = ""
         self._slow_logged = False
@@ -104,6 +105,21 @@ class DaemonConnection:
         submitted otherwise would be held by the client until a new hello; we fail it instead)."""
         client = self.client
         return client is not None and self.verdict is Verdict.UP and all(client.core.boot_ids)
+
+    def nudge(self) -> None:
+        """Pings every daemon now (non-blocking), so that ``heard_since`` soon tells whether
+        they are reading what was just sent."""
+        with self.lock:
+            now = time.monotonic()
+            if now - self._last_nudge >= 0.02:
+                self._last_nudge = now
+                for probe in self._probes:
+                    probe.ping()
+
+    def heard_since(self, t: float) -> bool:
+        """Whether every daemon has answered something since ``t`` (monotonic): it is reading
+        its socket, if slowly; a daemon that has not may be hung."""
+        return all(p.last_reply > t for p in self._probes)
 
     def generations(self) -> list[int | None]:
         return [p.generation for p in self._probes]

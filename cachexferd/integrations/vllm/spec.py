@@ -59,7 +59,7 @@ class CachexferdOffloadingSpec(OffloadingSpec):
         return DaemonConnection(
             endpoints, name=name, transfer_timeout_s=o.transfer_timeout_s,
             connect_timeout_s=o.connect_timeout_s, retry_interval_s=o.retry_interval_s,
-            lost_after_s=o.lost_after_s, slow_after_s=o.max_stall_s, **kwargs,
+            lost_after_s=o.lost_after_s, slow_after_s=4 * o.max_stall_s, **kwargs,
         )  # fmt: skip
 
     def get_manager(self) -> OffloadingManager:

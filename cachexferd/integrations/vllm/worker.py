@@ -8,10 +8,13 @@ jobs, once per step.
 Never holding vLLM up:
 - a job is only sent to a daemon that is up and answering (connection.py); otherwise it
   fails at once: a load is recomputed, a store skipped;
-- a load not done within ``max_stall_s`` is given up (vLLM recomputes it), and so is a
-  store vLLM waits for (``wait``); a store nobody waits for has ``transfer_timeout_s``;
-- every copy carries that deadline as ``not_after``: a daemon that reads it later (it was
-  stopped or starved) refuses it, so it cannot land in blocks vLLM has reused since.
+- a load (or a store vLLM waits for, ``wait``) whose daemon has answered nothing since it
+  was sent is given up after ``max_stall_s``: vLLM recomputes it. A load carries that
+  moment as ``not_after``: a daemon that reads it later (it was hung) refuses it, so it
+  cannot land in blocks vLLM has reused since;
+- a daemon that has answered since is reading its socket, if slowly (starved of CPU): the
+  job is waited for, up to three times ``max_stall_s``, since it will either run or be
+  refused (``not_after``); a store nobody waits for has ``transfer_timeout_s``.
 
 vLLM asserts that every transfer succeeds, so this worker always reports success and keeps
 what failed on the side: the connector hands failed loads' GPU blocks to vLLM's recompute
@@ -48,7 +51,8 @@ class _Job:
     is_load: bool
     keys: list[OffloadKey]
     device_ids: list[int]
-    deadline: float  # monotonic: given up after this
+    deadline: float  # monotonic: given up after this whatever happens
+    soft: float  # monotonic: given up after this if the daemon has answered nothing since ``started``
     started: float = field(default_factory=time.monotonic)
     parts: int = 0  # daemon commands not yet completed
     failed: bool = False
@@ -97,7 +101,7 @@ class CachexferdWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, HostStoreSpec)
         with self.conn.lock:
-            job = self._new_job(job_id, False, dst_spec.keys, src_spec.block_ids, self.times.transfer_timeout_s)
+            job = self._new_job(job_id, False, dst_spec.keys, src_spec.block_ids)
             if len(job.device_ids) != len(dst_spec.host_ids):
                 return self._fail_now(job, f"store of {len(job.device_ids)} GPU blocks into {len(dst_spec.host_ids)}")
             client, why = self._client()
@@ -116,7 +120,7 @@ class CachexferdWorker(OffloadingWorker):
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         assert isinstance(src_spec, HostLoadSpec)
         with self.conn.lock:
-            job = self._new_job(job_id, True, src_spec.keys, dst_spec.block_ids, self.times.max_stall_s)
+            job = self._new_job(job_id, True, src_spec.keys, dst_spec.block_ids)
             if len(job.device_ids) != len(src_spec.host_ids):
                 return self._fail_now(job, f"load of {len(src_spec.host_ids)} blocks into {len(job.device_ids)}")
             if any(h < 0 for h in src_spec.host_ids):
@@ -138,12 +142,13 @@ class CachexferdWorker(OffloadingWorker):
                 self._add_part(job, rid, _Part(job, MsgType.LOAD, d, h, k))
             if job.parts == 0:
                 self._finish(job)
+            self.conn.nudge()  # its answer tells a slow daemon from a hung one (_expire)
             return True
 
-    def _new_job(
-        self, job_id: int, is_load: bool, keys: list[OffloadKey], block_ids: Iterable[Any], budget: float
-    ) -> _Job:
-        job = _Job(job_id, is_load, list(keys), [int(b) for b in block_ids], time.monotonic() + budget)
+    def _new_job(self, job_id: int, is_load: bool, keys: list[OffloadKey], block_ids: Iterable[Any]) -> _Job:
+        now, stall = time.monotonic(), self.times.max_stall_s
+        hard = now + (3 * stall if is_load else self.times.transfer_timeout_s)
+        job = _Job(job_id, is_load, list(keys), [int(b) for b in block_ids], hard, now + stall)
         self._jobs[job_id] = job
         return job
 
@@ -159,8 +164,10 @@ class CachexferdWorker(OffloadingWorker):
         return self.conn.client, ""
 
     def _copy_fields(self, job: _Job, device_ids: list[int], host_ids: list[int]) -> dict[str, object]:
-        # not_after is the daemon's wall clock (same host): refused if read after we gave up.
-        not_after = time.time() + (job.deadline - time.monotonic())
+        # not_after, on the daemon's wall clock (same host): a load is refused if read after
+        # we may have given up on it; a store, whose late copy harms nothing, when nobody
+        # waits for it any more.
+        not_after = time.time() + ((job.soft if job.is_load else job.deadline) - time.monotonic())
         return {"device_ids": device_ids, "host_ids": host_ids, "owner": self.owner, "not_after": not_after}
 
     @staticmethod
@@ -194,13 +201,17 @@ class CachexferdWorker(OffloadingWorker):
             return done
 
     def wait(self, job_ids: set[int]) -> None:
-        """Blocks until those jobs finished, at most ``max_stall_s``: then they are given up."""
+        """Blocks until those jobs finished: at most ``max_stall_s`` for a daemon that answers
+        nothing meanwhile, three times that for one that does; then they are given up."""
         with self.conn.lock:
-            deadline = time.monotonic() + self.times.max_stall_s
+            start = time.monotonic()
+            self.conn.nudge()
             while any(j in self._jobs for j in job_ids):
                 client, why = self._client()
-                if client is None or time.monotonic() > deadline:
-                    why = why or f"not done within {self.times.max_stall_s}s"
+                waited = time.monotonic() - start
+                stalled = waited > self.times.max_stall_s and not self.conn.heard_since(start)
+                if client is None or stalled or waited > 3 * self.times.max_stall_s:
+                    why = why or f"not done after {waited:.2f}s"
                     for job_id in job_ids:
                         self._give_up(job_id, why)
                     break
@@ -221,6 +232,12 @@ class CachexferdWorker(OffloadingWorker):
             self._complete_part(part, done)  # a link error fails this command only
 
     def _complete_part(self, part: _Part, done: Completion) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            result = done.result() if done.ok else {}
+            run_s = float(result.get("finished_at", 0.0)) - float(result.get("started_at", 0.0))
+            log.debug("cachexferd: %s of %d blocks %s: %.1f ms from submit to completion, %.1f ms copying",
+                      done.op.name, len(part.host_ids), "ok" if done.ok else done.describe(),
+                      done.latency_s * 1000, run_s * 1000)  # fmt: skip
         if part.job is None:  # a storage write: a failure only means a later storage miss
             if not done.ok or done.min_result("stored") < len(part.keys):
                 self.failures.note("storage write", done.describe())
@@ -254,8 +271,10 @@ class CachexferdWorker(OffloadingWorker):
     # Failures -------------------------------------------------------------------------------
 
     def _expire(self, now: float) -> None:
-        for job in [j for j in self._jobs.values() if j.deadline < now]:
-            self._give_up(job.job_id, f"not done within {job.deadline - job.started:.1f}s")
+        for job in list(self._jobs.values()):
+            silent = job.soft < now and not self.conn.heard_since(job.started)
+            if job.deadline < now or (job.is_load and silent):
+                self._give_up(job.job_id, f"not done after {now - job.started:.2f}s")
 
     def _give_up(self, job_id: int, why: str) -> None:
         job = self._jobs.get(job_id)
