@@ -35,7 +35,7 @@ from .rig import (  # noqa: E402
 from .server import VllmServer  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
-BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_LOGGING_LEVEL": os.environ.get("CX_TP_LOG", "INFO")}
+BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 PROMPTS = [prompt(100 + seed) for seed in range(12)]
 FULL = len(PROMPTS[0]) // BLOCK * BLOCK
 
