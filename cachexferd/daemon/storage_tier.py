@@ -37,7 +37,7 @@ from ..storage.base import (
     StorageTimeoutError,
     StorageUnavailable,
 )
-from ..storage.objects import Checksum, ObjectCodec, Verdict
+from ..storage.objects import Checksum, ObjectCodec, Verdict, object_name
 from .jobs import HoldBlocks
 
 if TYPE_CHECKING:
@@ -118,25 +118,24 @@ class StorageTier:
         self.timeout_s = config.timeout_s
         self.checksum = Checksum[config.checksum.upper()]  # of new objects; loads verify either kind
         self.io = IOPool(config.io_threads)
-        self.weights_version = 0
         self.shard_limit = min(config.io_threads, backend.max_shards or config.io_threads)
 
     def start(self) -> None:
         self.io.submit(self.backend.start)
 
-    def name_of(self, key: str) -> str:
-        """The object name of a key: scoped by ``storage.namespace`` and, once a weights
-        version is set (SET_WEIGHTS), by that version, so KV of other weights never matches."""
-        scoped = f"w{self.weights_version}/{key}" if self.weights_version else key
-        return f"{self.config.namespace}/{scoped}" if self.config.namespace else scoped
+    def name_of(self, key: str, version: int) -> str:
+        """The object name of ``key`` for a command read under weights ``version``
+        (``[namespace/]w<version>/<key>``): KV of other weights never matches."""
+        return object_name(key, version, self.config.namespace)
 
     # Commands ---------------------------------------------------------------------------
 
     async def store(
-        self, keys: Sequence[str], host_ids: Sequence[int], block_bytes: int, fingerprint: str, cancel: CancelToken
-    ) -> dict[str, Any]:
+        self, keys: Sequence[str], host_ids: Sequence[int], block_bytes: int, fingerprint: str, version: int,
+        cancel: CancelToken,
+    ) -> dict[str, Any]:  # fmt: skip
         codec = ObjectCodec(fingerprint, block_bytes, self.checksum)
-        names = [self.name_of(k) for k in keys]
+        names = [self.name_of(k, version) for k in keys]
 
         def call(part: slice) -> Call[list[str | None]]:
             return lambda stop: self._put(names[part], host_ids[part], codec, stop)
@@ -155,11 +154,12 @@ class StorageTier:
         return {"stored": stored, "failed": len(failed), "bytes": written * block_bytes}
 
     async def load(
-        self, keys: Sequence[str], host_ids: Sequence[int], block_bytes: int, fingerprint: str, cancel: CancelToken
-    ) -> int:
+        self, keys: Sequence[str], host_ids: Sequence[int], block_bytes: int, fingerprint: str, version: int,
+        cancel: CancelToken,
+    ) -> int:  # fmt: skip
         """Reads objects into host blocks; returns the length of the delivered prefix."""
         codec = ObjectCodec(fingerprint, block_bytes, self.checksum)
-        names = [self.name_of(k) for k in keys]
+        names = [self.name_of(k, version) for k in keys]
 
         def call(part: slice) -> Call[list[str]]:
             return lambda stop: self._get(names[part], host_ids[part], codec, stop)
@@ -174,15 +174,15 @@ class StorageTier:
         self.metrics.transfer_bytes.labels("load").inc(delivered * block_bytes)
         return delivered
 
-    async def lookup(self, keys: Sequence[str], cancel: CancelToken) -> int:
-        names = [self.name_of(k) for k in keys]
+    async def lookup(self, keys: Sequence[str], version: int, cancel: CancelToken) -> int:
+        names = [self.name_of(k, version) for k in keys]
         if not names:
             return 0
         (found,) = await self._run("lookup", [lambda stop: self.backend.exists(names)], cancel)
         return next((i for i, present in enumerate(found) if not present), len(found))
 
-    async def delete(self, keys: Sequence[str], cancel: CancelToken) -> int:
-        names = [self.name_of(k) for k in keys]
+    async def delete(self, keys: Sequence[str], version: int, cancel: CancelToken) -> int:
+        names = [self.name_of(k, version) for k in keys]
         if not names:
             return 0
         (removed,) = await self._run("delete", [lambda stop: self.backend.delete(names)], cancel)

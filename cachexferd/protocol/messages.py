@@ -84,6 +84,9 @@ class Attach(Command):
     layout: dict[str, Any] = _spec(f.mapping())  # KVLayout.to_wire()
     device: dict[str, Any] = _spec(f.mapping())  # backend-specific handles, see docs/protocol.md
     pid: int | None = _spec(f.optional(f.integer(1, 1 << 31)), None)  # watched: its exit detaches
+    # Protocol 1.2: the weights version the runner's model runs, in force as the attach
+    # succeeds (a re-attach after a daemon restart restores it before any copy can run).
+    weights_version: int | None = _spec(f.optional(f.integer(0, (1 << 63) - 1)), None)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,7 @@ import pytest
 
 from .conftest import Attached, CacheFactory, ClientFactory
 from .daemons import DaemonProc
-from .helpers import chain, fingerprint, object_file
+from .helpers import chain, fingerprint, object_file, object_name
 from .shm import LAYOUT
 from .spec import MAX_KEYS, E, T
 from .wire import Client
@@ -108,7 +108,7 @@ def test_object_format_on_disk(attached: Attached, store: Path) -> None:
     assert (h["magic"], h["version"], h["length"], h["reserved"]) == (b"CXKV", 1, 64, 0)
     assert h["payload_len"] == cache.block_bytes
     assert h["layout"] == bytes.fromhex(fingerprint(LAYOUT))
-    assert h["name"] == hashlib.blake2b(key.encode(), digest_size=8).digest()
+    assert h["name"] == hashlib.blake2b(object_name(key).encode(), digest_size=8).digest()
     assert h["kind"] in (1, 2)
     assert h["checksum"] == (sum64(payload) if h["kind"] == 2 else zlib.crc32(payload))
     assert h["crc"] == zlib.crc32(data[:44])

@@ -48,10 +48,10 @@ def test_roundtrip_misses_and_delete(node: Node, keys: list[str]) -> None:
 def test_corrupt_and_wrong_size_values(node: Node, redis_server: RedisServer, keys: list[str]) -> None:  # noqa: F811
     assert node.ok("store", keys[:3], host_ids=[0, 1, 2], device_ids=[1, 2, 3])["stored"] == 3
     client = raw_client(redis_server)
-    value = bytearray(client.get(keys[1]))  # type: ignore[attr-defined]
+    value = bytearray(client.get(f"w0/{keys[1]}"))  # type: ignore[attr-defined]
     value[200] ^= 0xFF
-    client.set(keys[1], bytes(value))  # type: ignore[attr-defined]
-    client.set(keys[2], b"short")  # type: ignore[attr-defined]
+    client.set(f"w0/{keys[1]}", bytes(value))  # type: ignore[attr-defined]
+    client.set(f"w0/{keys[2]}", b"short")  # type: ignore[attr-defined]
     assert node.ok("load", keys[:3], host_ids=[10, 11, 12], device_ids=[20, 21, 22])["loaded"] == 1
     assert node.metric("cachexferd_storage_errors_total", kind="corrupt") == 1
     assert node.metric("cachexferd_storage_errors_total", kind="mismatch") == 1
