@@ -89,7 +89,7 @@ class StorageHandlers:
     def handle_store(self, cmd: Store) -> Job:
         tier = self._tier()
         block_bytes, fingerprint, cache = self._validate(cmd.keys, cmd.host_ids, cmd.device_ids, writes_keys=True)
-        keys, host_ids, device_ids = cmd.keys, cmd.host_ids, cmd.device_ids
+        keys, host_ids, device_ids, parent = cmd.keys, cmd.host_ids, cmd.device_ids, cmd.parent
         version = self.host.weights_version  # fixed on arrival, however late the work runs
 
         async def work(cancel: CancelToken) -> dict[str, Any]:
@@ -97,7 +97,7 @@ class StorageHandlers:
                 moved = await cache.swap(Direction.D2H, device_ids, host_ids, cancel)
                 self.metrics.transfer_bytes.labels(Direction.D2H.value).inc(moved)
                 cancel.check()
-            return await tier.store(keys, host_ids, block_bytes, fingerprint, version, cancel)
+            return await tier.store(keys, host_ids, block_bytes, fingerprint, version, cancel, parent)
 
         if device_ids is None:
             access = Access(host_read=frozenset(host_ids), keys_write=frozenset(keys))

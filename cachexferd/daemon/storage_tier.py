@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..protocol import ErrorCode, ProtocolError
 from ..storage.base import (
+    NO_ROOM,
     GetItem,
     GetResult,
     GetStatus,
@@ -36,6 +37,7 @@ from ..storage.base import (
     StorageFailure,
     StorageTimeoutError,
     StorageUnavailable,
+    stamps,
 )
 from ..storage.objects import Checksum, ObjectCodec, Verdict, object_name
 from .jobs import HoldBlocks
@@ -132,16 +134,20 @@ class StorageTier:
 
     async def store(
         self, keys: Sequence[str], host_ids: Sequence[int], block_bytes: int, fingerprint: str, version: int,
-        cancel: CancelToken,
+        cancel: CancelToken, parent: str | None = None,
     ) -> dict[str, Any]:  # fmt: skip
+        """Writes the keys' objects, one chain head first (``parent``: the key before
+        ``keys[0]`` in its chain). ``stored`` counts the leading objects a LOAD can deliver
+        when the result is built."""
         codec = ObjectCodec(fingerprint, block_bytes, self.checksum)
         names = [self.name_of(k, version) for k in keys]
-
-        def call(part: slice) -> Call[list[str | None]]:
-            return lambda stop: self._put(names[part], host_ids[part], codec, stop)
-
-        parts = shards(len(keys), block_bytes, self.shard_limit)
-        reasons = [r for chunk in await self._run("store", [call(p) for p in parts], cancel) for r in chunk]
+        try:
+            room = await self._begin_store(names, codec, cancel)
+            reasons = await self._put_chain(names[:room], host_ids, codec, version, parent, cancel)
+        finally:
+            if self.backend.reserves_room and names:  # quick (memory only), but it takes the index lock
+                self.io.submit(functools.partial(self.backend.end_store, names))
+        reasons += [NO_ROOM] * (len(names) - room)
         stored = next((i for i, r in enumerate(reasons) if r is not None), len(reasons))
         failed = [r for r in reasons if r is not None]
         if failed:
@@ -149,9 +155,37 @@ class StorageTier:
             log.warning("store: %d of %d objects not written (first: %s)", len(failed), len(keys), failed[0])
         if failed and stored == 0 and len(failed) == len(keys):
             raise ProtocolError(ErrorCode.STORAGE_ERROR, f"no object was written: {failed[0]}")
+        if stored and self.backend.drops_writes:  # the store may have evicted some already
+            (present,) = await self._run("store", [lambda stop: self.backend.exists(names[:stored])], cancel, False)
+            stored = next((i for i, there in enumerate(present) if not there), stored)
         written = len(keys) - len(failed)
         self.metrics.transfer_bytes.labels("store").inc(written * block_bytes)
         return {"stored": stored, "failed": len(failed), "bytes": written * block_bytes}
+
+    async def _begin_store(self, names: list[str], codec: ObjectCodec, cancel: CancelToken) -> int:
+        """How many leading objects the store has room for (all, unless it ``reserves_room``)."""
+        if not self.backend.reserves_room or not names:
+            return len(names)
+        calls = [lambda stop: self.backend.begin_store(names, codec.object_bytes)]
+        (room,) = await self._run("store", calls, cancel, False)
+        return int(room)
+
+    async def _put_chain(
+        self, names: list[str], host_ids: Sequence[int], codec: ObjectCodec, version: int, parent: str | None,
+        cancel: CancelToken,
+    ) -> list[str | None]:  # fmt: skip
+        links = [None if parent is None else self.name_of(parent, version), *names[:-1]]
+        used = stamps(len(names))
+
+        def call(part: slice) -> Call[list[str | None]]:
+            items = [
+                PutItem(names[i], *self._view(host_ids[i], codec.block_bytes), codec.header, links[i], used[i])
+                for i in range(part.start, part.stop)
+            ]  # fmt: skip
+            return lambda stop: self.backend.put(items, stop)
+
+        parts = shards(len(names), codec.block_bytes, self.shard_limit)
+        return [r for chunk in await self._run("store", [call(p) for p in parts], cancel) for r in chunk]
 
     async def load(
         self, keys: Sequence[str], host_ids: Sequence[int], block_bytes: int, fingerprint: str, version: int,
@@ -160,9 +194,10 @@ class StorageTier:
         """Reads objects into host blocks; returns the length of the delivered prefix."""
         codec = ObjectCodec(fingerprint, block_bytes, self.checksum)
         names = [self.name_of(k, version) for k in keys]
+        links, used = [None, *names[:-1]], stamps(len(names))
 
         def call(part: slice) -> Call[list[str]]:
-            return lambda stop: self._get(names[part], host_ids[part], codec, stop)
+            return lambda stop: self._get(names, host_ids, links, used, part, codec, stop)
 
         parts = shards(len(keys), block_bytes, self.shard_limit)
         outcome = LoadOutcome([s for chunk in await self._run("load", [call(p) for p in parts], cancel) for s in chunk])
@@ -194,17 +229,18 @@ class StorageTier:
         offset = host_id * block_bytes
         return self.pool.memory(offset, block_bytes), self.pool.address + offset
 
-    def _put(
-        self, names: list[str], host_ids: Sequence[int], codec: ObjectCodec, stop: threading.Event
-    ) -> list[str | None]:
-        # Backends check ``stop`` before each object and compute its header (the checksum
-        # pass) only then: a block the engine may have reused since is never checksummed.
-        items = [PutItem(name, *self._view(h, codec.block_bytes), codec.header) for name, h in zip(names, host_ids)]
-        return self.backend.put(items, stop)
+    # Backends check ``stop`` before each object and compute its header (the checksum pass)
+    # only then (PutItem.header): a block the engine may have reused since is never checksummed.
 
-    def _get(self, names: list[str], host_ids: Sequence[int], codec: ObjectCodec, stop: threading.Event) -> list[str]:
+    def _get(
+        self, names: list[str], host_ids: Sequence[int], links: list[str | None], used: list[int], part: slice,
+        codec: ObjectCodec, stop: threading.Event,
+    ) -> list[str]:  # fmt: skip
         verify = functools.partial(_verify, codec)
-        items = [GetItem(name, *self._view(h, codec.block_bytes), verify) for name, h in zip(names, host_ids)]
+        items = [
+            GetItem(names[i], *self._view(host_ids[i], codec.block_bytes), verify, links[i], used[i])
+            for i in range(part.start, part.stop)
+        ]
         statuses: list[str] = []
         problems: list[str] = []  # logged once per call: a bad batch must not flood the log
         for item, got in zip(items, self.backend.get(items, stop)):
@@ -217,8 +253,9 @@ class StorageTier:
 
     # Waiting ----------------------------------------------------------------------------
 
-    async def _run(self, op: str, calls: list[Call[T]], cancel: CancelToken) -> list[T]:
-        """Runs the calls on the I/O threads; maps every failure to a storage error code."""
+    async def _run(self, op: str, calls: list[Call[T]], cancel: CancelToken, count: bool = True) -> list[T]:
+        """Runs the calls on the I/O threads; maps every failure to a storage error code.
+        ``count``: this is the command's main call (one ``storage_operations`` sample)."""
         stop = threading.Event()
         futures = [asyncio.wrap_future(self.io.submit(functools.partial(call, stop))) for call in calls]
         try:
@@ -242,7 +279,8 @@ class StorageTier:
                 log.error("%s: %d storage calls still running after the grace period", op, len(stuck))
                 raise HoldBlocks(error.code, error.detail, asyncio.gather(*stuck, return_exceptions=True)) from None
             raise error from None
-        self.metrics.storage_ops.labels(op, "ok").inc()
+        if count:
+            self.metrics.storage_ops.labels(op, "ok").inc()
         return results
 
     async def _wait(self, futures: list[asyncio.Future[Any]], cancel: CancelToken) -> None:
