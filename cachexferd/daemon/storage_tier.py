@@ -177,12 +177,8 @@ class StorageTier:
         links = [None if parent is None else self.name_of(parent, version), *names[:-1]]
         used = stamps(len(names))
 
-        def call(part: slice) -> Call[list[str | None]]:
-            items = [
-                PutItem(names[i], *self._view(host_ids[i], codec.block_bytes), codec.header, links[i], used[i])
-                for i in range(part.start, part.stop)
-            ]  # fmt: skip
-            return lambda stop: self.backend.put(items, stop)
+        def call(part: slice) -> Call[list[str | None]]:  # the items are built on the I/O thread
+            return lambda stop: self.backend.put(self._put_items(names, host_ids, links, used, part, codec), stop)
 
         parts = shards(len(names), codec.block_bytes, self.shard_limit)
         return [r for chunk in await self._run("store", [call(p) for p in parts], cancel) for r in chunk]
@@ -229,8 +225,16 @@ class StorageTier:
         offset = host_id * block_bytes
         return self.pool.memory(offset, block_bytes), self.pool.address + offset
 
-    # Backends check ``stop`` before each object and compute its header (the checksum pass)
-    # only then (PutItem.header): a block the engine may have reused since is never checksummed.
+    def _put_items(
+        self, names: list[str], host_ids: Sequence[int], links: list[str | None], used: list[int], part: slice,
+        codec: ObjectCodec,
+    ) -> list[PutItem]:  # fmt: skip
+        # Backends check ``stop`` before each object and compute its header (the checksum
+        # pass) only then: a block the engine may have reused since is never checksummed.
+        return [
+            PutItem(names[i], *self._view(host_ids[i], codec.block_bytes), codec.header, links[i], used[i])
+            for i in range(part.start, part.stop)
+        ]
 
     def _get(
         self, names: list[str], host_ids: Sequence[int], links: list[str | None], used: list[int], part: slice,

@@ -37,6 +37,9 @@ SESSION_DAEMONS: dict[str, list[str]] = {
     "nostorage": ["--storage", "none"],
 }  # fmt: skip
 FRESH = "fresh_daemon"  # function-scoped: one new daemon per test (shutdown, signals)
+# Fresh daemons started ahead of the tests that take them: each start imports torch, and more
+# than a couple at once on a small machine can take one past its start-up deadline.
+_SPARES_AHEAD = 2
 _NEEDED = pytest.StashKey[Counter[str]]()
 
 
@@ -72,8 +75,9 @@ class DaemonPool:
             self._start_spares()
 
     def _start_spares(self) -> None:
-        """Fresh daemons start once the first session daemon is up: tests can begin sooner."""
-        while self._spares_wanted:
+        """Fresh daemons start once the first session daemon is up (tests can begin sooner),
+        at most _SPARES_AHEAD ahead of the tests that take them."""
+        while self._spares_wanted and len(self.spares) < _SPARES_AHEAD:
             self._spares_wanted -= 1
             self.spares.append(self._spawn_fresh())
 
@@ -97,6 +101,7 @@ class DaemonPool:
     def take_fresh(self) -> DaemonProc:
         self._start_spares()
         proc = self.spares.pop(0) if self.spares else self._spawn_fresh()
+        self._start_spares()  # the next one starts while this test runs
         return proc.wait_ready()
 
     def close(self) -> list[str]:
