@@ -1,5 +1,5 @@
 """Start and stop subprocesses by PID: daemons (``cachexferd demo``, the benchmarks, the
-tests) and the storage servers (cachexferd.storage.servers). Each runs in its own session
+tests) and the storage servers (cachexferd.storage_servers). Each runs in its own session
 with its own log file; ``start`` returns once a readiness check passes.
 """
 
