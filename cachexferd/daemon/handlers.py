@@ -83,7 +83,7 @@ class Handlers(StorageHandlers):
             raise ProtocolError(
                 ErrorCode.WRONG_VERSION, f"client speaks protocol {cmd.protocol[0]}.x, daemon {PROTOCOL_MAJOR}.x"
             )
-        self.sessions.hello(identity, cmd.client, cmd.role, cmd.events, cmd.pid, cmd.batch_events)
+        self.sessions.hello(identity, cmd.client, cmd.role, cmd.events, cmd.pid, cmd.batch_events, cmd.events_key)
         self.metrics.clients.set(len(self.sessions))
         host = self.host.describe()
         limits = {"max_ids": Limits.MAX_IDS, "max_keys": Limits.MAX_KEYS, "max_body_bytes": Limits.MAX_BODY_BYTES}

@@ -35,7 +35,7 @@ from ..backends.base import Backend
 from ..config import Config
 from ..metrics import DaemonMetrics
 from ..protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR, Command, ErrorCode, Limits, MsgType, ProtocolError
-from ..security import AccessError
+from ..security import AccessError, curve_enabled, load_server_keys
 from ..zmqio import readable, recv_frames, send_frames
 from .access import AccessControl
 from .device import DeviceSlot
@@ -124,7 +124,9 @@ class Daemon:
         self.ordering = BlockOrdering()
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.access = AccessControl(config, self.ctx)
-        self.sinks = EventSinks(self.ctx, allow_abstract=config.access.abstract_ipc)
+        # With CURVE keys the daemon can also deliver events to CURVE event sockets (protocol 1.2).
+        event_keys = load_server_keys(config.access.curve_secret_key) if curve_enabled(config.access) else None
+        self.sinks = EventSinks(self.ctx, allow_abstract=config.access.abstract_ipc, curve=event_keys)
         self.sessions = Sessions(self.sinks)
         self.outcomes = Outcomes(self.boot_id, self.rank, self.metrics, self.sessions, self.sinks, self._reply)
         self.device = DeviceSlot(self.backend, self.host, self.ordering, self.metrics, config.daemon, self.spawn)

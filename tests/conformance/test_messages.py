@@ -13,7 +13,7 @@ from .conftest import Attached, CacheFactory, ClientFactory
 from .daemons import DaemonProc
 from .helpers import fingerprint
 from .shm import LAYOUT, geometry
-from .spec import MAX_BATCH, MAX_BODY, MAX_IDS, MAX_KEYS, E, T
+from .spec import MAJOR, MAX_BATCH, MAX_BODY, MAX_IDS, MAX_KEYS, MINOR, E, T
 
 pytestmark = pytest.mark.conformance
 
@@ -35,7 +35,7 @@ def test_hello_reply(main: DaemonProc, connect: ClientFactory) -> None:
     reply = client.hello(pid=4242)
     assert reply.channel == "reply" and reply.body["op"] == T.HELLO and reply.body["rank"] == 0
     result = reply.result
-    assert result["protocol"] == [1, 1]
+    assert result["protocol"] == [MAJOR, MINOR]
     assert kinds(result) == {
         "protocol": ["int", "int"],
         "version": "str",

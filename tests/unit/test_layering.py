@@ -107,6 +107,13 @@ def test_integrations_are_imported_by_nothing_else() -> None:
     assert outside == []
 
 
+def test_start_up_checks_use_only_shared_modules() -> None:
+    """preflight runs before anything starts: it takes its formatting from units, not from
+    another command (status), and needs nothing of the client or the daemon."""
+    path = PACKAGE / "preflight.py"
+    assert {t for t in imports(path) if layer(t) > 0} == set(), imports(path)
+
+
 def test_protocol_imports_neither_torch_nor_the_daemon() -> None:
     for path in (PACKAGE / "protocol").rglob("*.py"):
         tree = ast.parse(path.read_text())
