@@ -158,7 +158,9 @@ class EngineClient(CommandMethods[int]):
     # Completion intake ----------------------------------------------------------------
 
     def fileno(self) -> int:
-        """The event socket's fd for selectors. Edge-triggered: call poll() until it returns []."""
+        """The event socket's fd for selectors. Edge-triggered: call poll() until it returns [].
+        Call poll() at least once a second also while waiting: it sends the heartbeats, expires
+        deadlines and, with a CURVE event socket, answers the daemons' connection handshakes."""
         return int(self.pull.getsockopt(zmq.FD))
 
     def poll(self, timeout_ms: int = 0) -> list[Completion]:
