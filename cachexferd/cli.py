@@ -2,7 +2,7 @@
 
 Exit statuses of ``serve`` (docs/operations.md): 0 stopped cleanly, 1 failed (a bug or a
 crash: the log says what), 2 refused to start because of the configuration or this machine
-(one line on stderr names the setting and the fix; the systemd unit does not restart on 2),
+(one line on stderr per problem names the setting and the fix; the systemd unit does not restart on 2),
 130 a second SIGINT cut the drain short.
 """
 
