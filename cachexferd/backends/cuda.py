@@ -30,8 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..client.cuda_runner import check_runner_tensors
 from ..host_cache import HostGeometry, HostPool
 from ..protocol import KVLayout
+from ..security import Requester
 from .base import AttachError, Backend, CancelToken, DeviceCache, Direction
 from .cuda_copy import (
     Copy2D,
@@ -43,7 +45,7 @@ from .cuda_copy import (
     plan_staging,
     split_runs,
 )
-from .cuda_ipc import ImportWatch, TorchStorageOps, check_runner_tensors, import_handles, resolve_device, visible_uuids
+from .cuda_ipc import ImportWatch, TorchStorageOps, decode_handles, import_handles, resolve_device, visible_uuids
 from .cuda_pool import CudartRegistrar, PinnedHostPool, pci_numa_node
 from .cuda_runtime import EventWaiter, Memcpy, load_memcpy
 from .cuda_stage import DeviceTensor, Stager, from_tensors
@@ -225,23 +227,27 @@ class CudaBackend(Backend):
     name = "cuda"
 
     def __init__(self, config: CudaConfig, rank: int) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("cuda backend: torch sees no CUDA device (check the driver and CUDA_VISIBLE_DEVICES)")
         self.config = config
-        self.uuids = visible_uuids()
-        self.device_index = resolve_device(config.device, rank, self.uuids)
-        self.device_uuid = self.uuids[self.device_index]
-        self.device = torch.device("cuda", self.device_index)
-        self.device_name = torch.cuda.get_device_name(self.device_index)
-        self.memcpy = load_memcpy(config.memcpy_api)
-        self.max_pitch = self.memcpy.max_pitch(self.device_index) if self.memcpy is not None else 0
         self.pools: list[PinnedHostPool] = []
         self._lanes: dict[Direction, Lane] | None = None
         self._lanes_lock = threading.Lock()
+        self._open_device(rank)
         log.info(
             "cuda backend on device %d (%s, %s), memcpy via %s",
             self.device_index, self.device_name, self.device_uuid, self.memcpy.name if self.memcpy else "torch",
         )  # fmt: skip
+
+    def _open_device(self, rank: int) -> None:
+        """The device probe: which GPU this daemon serves, and the bindings it copies with."""
+        if not torch.cuda.is_available():
+            raise RuntimeError("cuda backend: torch sees no CUDA device (check the driver and CUDA_VISIBLE_DEVICES)")
+        self.uuids = visible_uuids()
+        self.device_index = resolve_device(self.config.device, rank, self.uuids)
+        self.device_uuid = self.uuids[self.device_index]
+        self.device = torch.device("cuda", self.device_index)
+        self.device_name = torch.cuda.get_device_name(self.device_index)
+        self.memcpy: Memcpy | None = load_memcpy(self.config.memcpy_api)
+        self.max_pitch = self.memcpy.max_pitch(self.device_index) if self.memcpy is not None else 0
 
     @property
     def lanes(self) -> dict[Direction, Lane]:
@@ -278,8 +284,12 @@ class CudaBackend(Backend):
             return None
 
     def import_device_cache(
-        self, layout: KVLayout, device: dict[str, Any], pool: HostPool, geometry: HostGeometry
+        self, layout: KVLayout, device: dict[str, Any], pool: HostPool, geometry: HostGeometry, requester: Requester
     ) -> DeviceCache:
+        # CUDA IPC handles are produced by the process that owns the memory (no file to
+        # check against the requester). Decoding needs no GPU: a malformed map is refused
+        # (BAD_FIELD) before any device work.
+        decode_handles(device)
         try:
             with torch.cuda.device(self.device_index):
                 storages, refs, opened = import_handles(

@@ -10,6 +10,7 @@ from typing import Any
 from ..backends.base import Backend, DeviceCache
 from ..host_cache import HostPool
 from ..protocol import KVLayout
+from ..security import Requester
 
 
 @dataclass
@@ -60,7 +61,7 @@ def _cpu_kit(layout: KVLayout, host_blocks: int, threads: int) -> Kit:
     for tensor in cache.tensors:
         tensor.view(torch.uint8).fill_(7)  # fault the pages in outside the timed region
     geometry = pool.geometry(layout.host_block_bytes)
-    device = backend.import_device_cache(layout, cache.device_handle(), pool, geometry)
+    device = backend.import_device_cache(layout, cache.device_handle(), pool, geometry, Requester())
     nbytes = host_blocks * layout.host_block_bytes
     src = torch.full((nbytes,), 3, dtype=torch.uint8)
     dst = torch.empty_like(src).fill_(0)
