@@ -142,7 +142,14 @@ class CudaDeviceCache(DeviceCache):
         if kernel is None or backend.config.copy_method == "dma":
             return None
         geo = PieceGeometry(tuple(t.address for t in self.tensors), layout.chunk_bytes, layout.chunk_bytes)
-        return PieceMover(kernel, geo, pool.tensor, layout.host_block_bytes, backend.device, backend.grid)
+        mover = PieceMover(kernel, geo, pool.tensor, layout.host_block_bytes, backend.device, backend.grid)
+        try:
+            with torch.cuda.device(backend.device_index):
+                mover.warm_up()
+        except Exception as exc:
+            log.warning("the copy kernel does not run here (%s: %s): copying without it", type(exc).__name__, exc)
+            return None
+        return mover
 
     @property
     def _busy(self) -> int:

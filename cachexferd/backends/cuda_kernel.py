@@ -145,6 +145,7 @@ class PieceMover:
         self.kernel, self.geo, self.grid, self.device = kernel, geo, grid, device
         self.host, self.host_block_bytes = host, host_block_bytes
         self.table = self._upload(list(geo.tensor_addrs))
+        self._settle()  # the lanes' streams read the table: it must be there before their first launch
         self.launches = 0
         self.word_bytes = 0  # of the last launch (for tests and describe)
 
@@ -154,6 +155,19 @@ class PieceMover:
             return ids  # the interpreter reads CPU tensors
         # From pinned memory: a pageable upload would synchronise the stream first.
         return ids.pin_memory().to(self.device, non_blocking=True)
+
+    def _settle(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def warm_up(self) -> None:
+        """Compiles and runs the kernel once, reading device block 0 into a scratch row (it
+        writes nothing of the runner's): a Triton that cannot compile here (no compiler, an
+        unwritable cache directory) fails now, at attach, instead of at every swap."""
+        scratch = self._staging(1)
+        self._run(kernel_args(self.geo, True, [0], scratch.data_ptr(), [0], self.host_block_bytes, 1))
+        self._settle()
+        self.launches = 0
 
     def _run(self, args: KernelArgs) -> None:
         launch(self.kernel, self.table, self._upload(args.ids), args)
