@@ -39,8 +39,9 @@ def _build() -> Any:
     import triton
     import triton.language as tl
 
-    # Untyped on purpose: Triton reads the annotations of a kernel's arguments itself.
-    @triton.jit  # type: ignore[untyped-decorator]
+    # Untyped on purpose: Triton reads the annotations of a kernel's arguments itself. The
+    # number of pairs changes with every swap: not specialised on (no recompile for 1 or 16).
+    @triton.jit(do_not_specialize=["pairs"])  # type: ignore[untyped-decorator]
     def move_pieces(  # type: ignore[no-untyped-def]
         table,  # int64[T]: device address of block 0 of each tensor
         ids,  # int64[1 + 2n]: linear base address, device ids, linear ids
