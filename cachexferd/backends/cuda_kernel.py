@@ -40,24 +40,25 @@ def _build() -> Any:
     import triton.language as tl
 
     # Untyped on purpose: Triton reads the annotations of a kernel's arguments itself. The
-    # number of pairs changes with every swap: not specialised on (no recompile for 1 or 16).
-    @triton.jit(do_not_specialize=["pairs"])  # type: ignore[untyped-decorator]
+    # number of pairs and the grid change from swap to swap: not specialised on, so one
+    # compiled variant per direction and word size serves every swap of an attach.
+    @triton.jit(do_not_specialize=["pairs", "programs"])  # type: ignore[untyped-decorator]
     def move_pieces(  # type: ignore[no-untyped-def]
         table,  # int64[T]: device address of block 0 of each tensor
         ids,  # int64[1 + 2n]: linear base address, device ids, linear ids
         pairs,
+        programs,  # the grid: program g moves pieces g, g + programs, ...
         tensors,
         chunk_words,
         block_stride_words,
         linear_stride_words,
-        PROGRAMS: tl.constexpr,
         TO_LINEAR: tl.constexpr,
         WORD: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         linear_base = tl.load(ids).to(tl.pointer_type(WORD))
         lanes = tl.arange(0, BLOCK)
-        for piece in range(tl.program_id(0), pairs * tensors, PROGRAMS):
+        for piece in range(tl.program_id(0), pairs * tensors, programs):
             pair = piece // tensors
             tensor = piece % tensors
             device_block = tl.load(ids + 1 + pair)
@@ -107,8 +108,8 @@ def launch(kernel: Any, table: torch.Tensor, ids: torch.Tensor, args: KernelArgs
     import triton.language as tl
 
     kernel[(args.programs,)](
-        table, ids, args.pairs, args.num_tensors, args.chunk_words, args.block_stride_words, args.linear_stride_words,
-        PROGRAMS=args.programs, TO_LINEAR=args.to_linear, WORD=getattr(tl, _WORD_DTYPES[args.word_bytes]),
+        table, ids, args.pairs, args.programs, args.num_tensors, args.chunk_words, args.block_stride_words,
+        args.linear_stride_words, TO_LINEAR=args.to_linear, WORD=getattr(tl, _WORD_DTYPES[args.word_bytes]),
         BLOCK=args.block, num_warps=args.warps,
     )  # fmt: skip
 
@@ -162,11 +163,15 @@ class PieceMover:
             torch.cuda.current_stream(self.device).synchronize()
 
     def warm_up(self) -> None:
-        """Compiles and runs the kernel once, reading device block 0 into a scratch row (it
-        writes nothing of the runner's): a Triton that cannot compile here (no compiler, an
-        unwritable cache directory) fails now, at attach, instead of at every swap."""
+        """Compiles the kernel's variants for this cache and runs it once, reading device
+        block 0 into a scratch row (nothing of the runner's is written; the swap-in variant
+        runs on no pieces): a Triton that cannot compile or run here (no compiler, an
+        unwritable cache directory) fails now, at attach, and not at the first swaps."""
         scratch = self._staging(1)
         self._run(kernel_args(self.geo, True, [0], scratch.data_ptr(), [0], self.host_block_bytes, 1))
+        for to_linear in (True, False):
+            for base in (self.host.data_ptr(), scratch.data_ptr()):
+                self._run(kernel_args(self.geo, to_linear, [], base, [], self.host_block_bytes, 1))
         self._settle()
         self.launches = 0
 

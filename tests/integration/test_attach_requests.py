@@ -41,6 +41,7 @@ class ProbedCudaBackend(CudaBackend):
         self.device_name = "device probe replaced by the test"
         self.memcpy = None
         self.max_pitch = 0
+        self.zero_copy = False
 
     def create_host_pool(self, capacity: int) -> HostPool:
         return HostPool(capacity)  # nothing to pin without a GPU

@@ -328,3 +328,18 @@ def test_runner_tensors_are_checked_before_export() -> None:
         check_runner_tensors(LAYOUT, cpu)
     with pytest.raises(ValueError, match="needs 4 tensors"):
         check_runner_tensors(LAYOUT, cpu[:3])
+
+
+def test_the_wire_format_lives_with_the_protocol() -> None:
+    """The runner side and the handle format import neither torch, the daemon nor a backend."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, cachexferd.protocol.cuda_ipc, cachexferd.client.cuda_runner; "
+        "heavy = [m for m in sys.modules if m in ('torch', 'cachexferd.daemon') "
+        "or m.startswith('cachexferd.backends')]; "
+        "print(heavy); sys.exit(1 if heavy else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

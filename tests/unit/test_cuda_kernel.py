@@ -204,3 +204,13 @@ def test_kernel_moves_exact_bytes_and_nothing_else(kernel: Any, dtype: str, plac
             assert torch.equal(cache.block(t, b), cache.block(t, b, tensors1)), f"swap-in touched tensor {t} block {b}"
     assert torch.equal(cache.host, host1), "swap-in wrote to the host"
     assert mover.launches >= 2
+
+
+@needs_triton
+def test_warm_up_writes_nothing(kernel: Any) -> None:
+    cache = CpuCache("bfloat16", "kv_pairs-one_buffer", seed=1)
+    mover = cache.mover(kernel)
+    tensors0, host0 = cache.snapshot()
+    mover.warm_up()
+    assert all(torch.equal(a, b) for a, b in zip(cache.tensors, tensors0)) and torch.equal(cache.host, host0)
+    assert mover.launches == 0
