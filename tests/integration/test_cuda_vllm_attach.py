@@ -54,15 +54,21 @@ def _block(cache: Any, layer: int, block: int, shape: VllmShape) -> tuple[torch.
 
 @pytest.mark.parametrize("method", ["auto", "dma"])
 @pytest.mark.parametrize("shape_name", sorted(SHAPES))
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_vllm_cuda_cache_round_trip_through_a_daemon(
-    spawn_daemon: Callable[..., DaemonProcess], engine_for: Any, layout: str, shape_name: str, method: str
+    spawn_daemon: Callable[..., DaemonProcess], engine_for: Any, shape_name: str, method: str
 ) -> None:
+    """One daemon; each of vLLM's layouts attached, swapped out and in, detached in turn."""
     shape = SHAPES[shape_name]
     settings = {"daemon.backend": "cuda", "host_cache.capacity": "64MiB", "cuda.pin_chunk": "8MiB",
                 "cuda.copy_method": method}  # fmt: skip
     daemon = spawn_daemon(settings=settings)
     engine = engine_for(daemon.endpoint)
+    with RunnerClient(daemon.endpoint) as runner:
+        for layout in sorted(LAYOUTS):
+            _round_trip(runner, engine, shape, layout)
+
+
+def _round_trip(runner: RunnerClient, engine: EngineClient, shape: VllmShape, layout: str) -> None:
     cache = allocate(shape, layout, "cuda:0")
     gen = torch.Generator(device="cuda:0").manual_seed(len(layout))
     cache.raw.copy_(torch.randint(-128, 128, cache.raw.shape, dtype=torch.int8, device="cuda:0", generator=gen))
@@ -75,20 +81,18 @@ def test_vllm_cuda_cache_round_trip_through_a_daemon(
     original = {(layer, b): _block(cache, layer, b, shape) for layer in range(shape.num_layers) for b in src}
 
     handle = cuda_page_cache(cache.canonical)  # the plug-in's export, as its worker calls it
-    with RunnerClient(daemon.endpoint) as runner, runner.attached(handle):
+    with runner.attached(handle):
         out, back = engine.swap_out(src, host), engine.swap_in(dst, host)  # pipelined: back reads what out wrote
         done = engine.wait([out, back], timeout_s=60)
         assert all(done[r].ok for r in (out, back)), [done[r].describe() for r in (out, back)]
-        assert runner.status()["device"]["state"] == "attached"
 
     for layer in range(shape.num_layers):
         for s, d in zip(src, dst):
             k, v = _block(cache, layer, d, shape)
             assert torch.equal(k, original[(layer, s)][0]), f"{layout}: layer {layer} K of block {d} != block {s}"
             assert torch.equal(v, original[(layer, s)][1]), f"{layout}: layer {layer} V of block {d} != block {s}"
-    after = allocate(shape, layout, "cpu")
+    after, then = allocate(shape, layout, "cpu"), allocate(shape, layout, "cpu")
     after.raw.copy_(cache.raw.cpu())
-    then = allocate(shape, layout, "cpu")
     then.raw.copy_(before)
     untouched = [b for b in range(shape.num_blocks) if b not in dst]
     for layer in range(shape.num_layers):
