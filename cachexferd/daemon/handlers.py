@@ -35,6 +35,7 @@ from ..protocol import (
     SwapIn,
     SwapOut,
 )
+from ..security import Requester
 from . import validate
 from .device import DeviceSlot
 from .jobs import Copy, Job
@@ -87,7 +88,7 @@ class Handlers:
             raise ProtocolError(
                 ErrorCode.WRONG_VERSION, f"client speaks protocol {cmd.protocol[0]}.x, daemon {PROTOCOL_MAJOR}.x"
             )
-        self.sessions.hello(identity, cmd.client, cmd.role, cmd.events, cmd.pid, cmd.batch_events)
+        self.sessions.hello(identity, cmd.client, cmd.role, cmd.events, cmd.pid, cmd.batch_events, cmd.events_key)
         self.metrics.clients.set(len(self.sessions))
         host = self.host.describe()
         limits = {"max_ids": Limits.MAX_IDS, "max_keys": Limits.MAX_KEYS, "max_body_bytes": Limits.MAX_BODY_BYTES}
@@ -110,8 +111,12 @@ class Handlers:
     def handle_status(self, identity: bytes, cmd: Command) -> dict[str, Any]:
         return self._status()
 
-    def handle_attach(self, identity: bytes, cmd: Attach) -> Awaitable[dict[str, Any]]:
-        return self._attached(self.device.attach(cmd.layout, cmd.device, cmd.pid), cmd.weights_version)
+    def handle_attach(
+        self, identity: bytes, cmd: Attach, requester: Requester | None = None
+    ) -> Awaitable[dict[str, Any]]:
+        """``requester``: the access guard's view of the asking peer (the strictest one without)."""
+        attaching = self.device.attach(cmd.layout, cmd.device, cmd.pid, requester or Requester())
+        return self._attached(attaching, cmd.weights_version)
 
     async def _attached(self, attaching: Awaitable[dict[str, Any]], version: int | None) -> dict[str, Any]:
         """A successful attach that names a weights version puts it in force before its reply

@@ -74,6 +74,9 @@ class Hello(Command):
     pid: int | None = _spec(f.optional(f.integer(1, 1 << 31)), None)
     # Protocol 1.1: deliver this client's events in EVENT_BATCH messages.
     batch_events: bool = _spec(f.boolean(), False)
+    # Protocol 1.2: the Z85 CURVE public key of the client's event socket, a CURVE server on
+    # tcp (any address): the daemon's PUSH connects to it as a CURVE client.
+    events_key: str | None = _spec(f.optional(f.text(40)), None)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -96,6 +96,7 @@ class FileBackend(StorageBackend):
         if os.path.isdir(self._root):
             self._remove_stale_temps()
         elif not _creatable(self.root):
+            self._error = "cannot be created by this user"  # what status shows until it can be
             log.warning("storage directory %s cannot be created by this user; storage commands fail until it can",
                         self.root)  # fmt: skip
         self._scanner = threading.Thread(target=self._scan_loop, name="storage-file-index", daemon=True)
@@ -106,6 +107,9 @@ class FileBackend(StorageBackend):
             return
         with self._lock:
             try:
+                # makedirs gives only the last directory its mode: the storage directory
+                # itself (and any parent it creates) must not be left to the umask.
+                _make_private_dirs(self.root)
                 os.makedirs(self._tmp, mode=_DIR_MODE, exist_ok=True)
             except OSError as exc:
                 self._error = exc.strerror or str(exc)
@@ -396,6 +400,18 @@ def _mark_used(fd: int, stamp: int) -> None:
             os.utime(fd, ns=(stamp, stamp))
         else:
             os.utime(fd)
+
+
+def _make_private_dirs(path: Path) -> None:
+    """Creates ``path`` and its missing parents with _DIR_MODE (whatever the umask)."""
+    missing = []
+    while not path.is_dir() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another daemon on the directory was first
+            directory.mkdir(mode=_DIR_MODE)
+            os.chmod(directory, _DIR_MODE)
 
 
 def _creatable(path: Path) -> bool:

@@ -32,7 +32,8 @@ SESSION_DAEMONS: dict[str, list[str]] = {
         "--storage", "file", "--storage-path", "{scratch}/main-store",
         "--set", "daemon.max_inflight=64", "--set", "storage.timeout_s=1", "--set", "daemon.drain_timeout_s=5",
     ],
-    # Never attached; its storage directory cannot be created (a regular file is in the way).
+    # Never attached; its storage directory cannot be created: once it serves, a regular file
+    # takes the place of its parent (a storage path under a file refuses the start).
     "pristine": ["--storage", "file", "--storage-path", "{scratch}/not-a-dir/store"],
     "nostorage": ["--storage", "none"],
 }  # fmt: skip
@@ -63,7 +64,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 class DaemonPool:
     def __init__(self, scratch: Path, needed: Counter[str]) -> None:
         self.scratch = scratch
-        (scratch / "not-a-dir").write_text("a regular file where a directory should be\n")
         self.started: dict[str, DaemonProc] = {}
         self.spares: list[DaemonProc] = []
         self._fresh = 0
@@ -95,6 +95,9 @@ class DaemonPool:
 
     def get(self, name: str) -> DaemonProc:
         proc = (self.started.get(name) or self._start(name)).wait_ready()
+        blocker = self.scratch / "not-a-dir"
+        if name == "pristine" and not blocker.exists():
+            blocker.write_text("a regular file where a directory should be\n")
         self._start_spares()
         return proc
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cachexferd.storage.servers import RedisServer
+from cachexferd.storage_servers import RedisServer
 from tests.helpers import assert_moved, assert_untouched
 from tests.servers import redis_server  # noqa: F401 - fixture
 from tests.storage_rig import Node, key_space, prompt, store_and_load_back
