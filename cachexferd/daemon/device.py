@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..backends.base import AttachError, Backend, DeviceCache
 from ..host_cache import HostGeometry
 from ..protocol import ErrorCode, KVLayout, LayoutError, ProtocolError
-from ..security import segment_policy
+from ..security import Requester
 from .pidwatch import PidWatch
 from .supersede import RunnerProcess, supersede_refusal
 
@@ -65,26 +65,27 @@ class DeviceSlot:
         return self.cache
 
     def attach(
-        self, layout_wire: dict[str, Any], device: dict[str, Any], pid: int | None, supersede: bool = False
-    ) -> Awaitable[dict[str, Any]]:
+        self, layout_wire: dict[str, Any], device: dict[str, Any], pid: int | None, requester: Requester,
+        supersede: bool = False,
+    ) -> Awaitable[dict[str, Any]]:  # fmt: skip
         """Checks the request now (state, layout, host fit) and returns the import to await.
-        A failed attach changes nothing: the host geometry is bound only on success. With
-        ``supersede``, an attached runner that is gone or orphaned is detached first."""
+        A failed attach changes nothing: the host geometry is bound only on success.
+        ``device`` goes to the backend as the client sent it; ``requester`` beside it. With
+        ``supersede`` (1.2), an attached runner that is gone or orphaned is detached first."""
         try:
             if supersede and self.state is DeviceState.ATTACHED:
-                return self._supersede(layout_wire, device, pid)
+                return self._supersede(layout_wire, device, pid, requester)
             layout, geometry = self._check_attach(layout_wire)
         except ProtocolError as exc:
             log.info("attach refused (runner pid %s): %s: %s", pid, exc.code.name, exc.detail)
             raise
         self.state = DeviceState.ATTACHING
-        return self._import(layout, geometry, device, pid)
+        return self._import(layout, geometry, device, pid, requester)
 
     def _supersede(
-        self, layout_wire: dict[str, Any], device: dict[str, Any], pid: int | None
+        self, layout_wire: dict[str, Any], device: dict[str, Any], pid: int | None, requester: Requester
     ) -> Awaitable[dict[str, Any]]:
-        asker = segment_policy(device).peer
-        refusal = supersede_refusal(self._runner, asker)
+        refusal = supersede_refusal(self._runner, requester.peer)
         if refusal is not None:
             raise ProtocolError(ErrorCode.ALREADY_ATTACHED, f"cannot supersede: {refusal}")
         old = self.runner_pid
@@ -96,7 +97,7 @@ class DeviceSlot:
             await drained
             layout, geometry = self._check_attach(layout_wire)
             self.state = DeviceState.ATTACHING
-            return await self._import(layout, geometry, device, pid)
+            return await self._import(layout, geometry, device, pid, requester)
 
         return then_attach()
 
@@ -111,12 +112,12 @@ class DeviceSlot:
         return layout, self.host.plan(layout)
 
     async def _import(
-        self, layout: KVLayout, geometry: HostGeometry, device: dict[str, Any], pid: int | None
+        self, layout: KVLayout, geometry: HostGeometry, device: dict[str, Any], pid: int | None, requester: Requester
     ) -> dict[str, Any]:
         try:
             loop = asyncio.get_running_loop()
             import_cache, pool = self.backend.import_device_cache, self.host.pool
-            self.cache = await loop.run_in_executor(None, import_cache, layout, device, pool, geometry)
+            self.cache = await loop.run_in_executor(None, import_cache, layout, device, pool, geometry, requester)
         except AttachError as exc:
             self.state = DeviceState.DETACHED
             log.info("attach refused (runner pid %s): %s: %s", pid, exc.code.name, exc)
@@ -127,7 +128,7 @@ class DeviceSlot:
             raise ProtocolError(ErrorCode.ATTACH_FAILED, f"{type(exc).__name__}: {exc}") from None
         self.host.commit(layout, geometry)
         self.state = DeviceState.ATTACHED
-        self._watch(pid, device)
+        self._watch(pid, requester)
         self._publish()
         log.info("attached %s (runner pid %s)", self.cache.describe(), pid)
         return {
@@ -181,12 +182,14 @@ class DeviceSlot:
         if pending:
             await asyncio.wait(pending)  # cancelled copies stop at their next checkpoint
         self._unwatch()
+        # The flag goes with the cache it was raised for, whatever happens below: a later
+        # runner's detach must never remove that runner's memory.
         cache, self.cache = self.cache, None
+        orphaned, self._owner_gone = self._owner_gone, False
         if cache is not None:  # closing may sync streams or collect garbage: off the loop
             await asyncio.get_running_loop().run_in_executor(None, cache.close)
-            if self._owner_gone:
-                cache.orphaned()
-        self._owner_gone = False
+            if orphaned:
+                _remove_orphaned(cache)
         # A copy cancelled mid-way may still have finished: count outcomes, not requests.
         cancelled = sum(1 for e in entries if e.code == ErrorCode.DETACHED)
         log.info("detached: drained %d, cancelled %d", len(entries) - cancelled, cancelled)
@@ -198,9 +201,9 @@ class DeviceSlot:
         m.mappings.set(self.cache.mappings if self.cache is not None else 0)
 
     # Runner liveness: a runner that dies while attached must not keep its memory mapped.
-    def _watch(self, pid: int | None, device: dict[str, Any]) -> None:
+    def _watch(self, pid: int | None, requester: Requester) -> None:
         self.runner_pid = pid
-        self._runner = RunnerProcess.note(pid, segment_policy(device).peer)
+        self._runner = RunnerProcess.note(pid, requester.peer)
         if pid is not None and self.config.watch_runner_pid:
             self._pid_watch = PidWatch(pid, self._on_runner_exit)
 
@@ -226,5 +229,18 @@ class DeviceSlot:
         return info
 
 
+def _remove_orphaned(cache: DeviceCache) -> None:
+    """What only the dead runner would have removed; a failure is logged, never raised (the
+    detach itself has succeeded: the memory is unmapped)."""
+    try:
+        cache.orphaned()
+    except Exception:
+        log.exception("could not remove what the dead runner left behind")
+
+
 async def _awaited(awaitable: Awaitable[Any]) -> None:
-    await awaitable
+    """An automatic detach, run as a task nobody awaits: its failure is logged here."""
+    try:
+        await awaitable
+    except Exception:
+        log.exception("automatic detach failed")

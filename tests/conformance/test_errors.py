@@ -299,6 +299,34 @@ def stale_weights(ctx: Ctx) -> list[Outcome]:
     ]
 
 
+def host_block_changed(ctx: Ctx) -> list[Outcome]:
+    """(1.2) A read naming an owner the host block no longer carries (§7.13)."""
+    client = ctx.attached()
+    assert client.call(T.SWAP_OUT, device_ids=[1], host_ids=[12], owner="a").ok
+    outcomes = [
+        client.call(T.SWAP_IN, device_ids=[2], host_ids=[12], owner="b"),
+        client.call(T.STORE, keys=["owned"], host_ids=[12], owner="b"),
+    ]
+    assert client.call(T.CLEAR_HOST).ok
+    outcomes.append(client.call(T.SWAP_IN, device_ids=[2], host_ids=[12], owner="a"))
+    detach(client)
+    return outcomes
+
+
+def expired(ctx: Ctx) -> list[Outcome]:
+    """(1.2) A copy read after its not_after time (§7.14)."""
+    client = ctx.attached()
+    past = time.time() - 5
+    outcomes = [
+        client.call(T.SWAP_OUT, device_ids=[1], host_ids=[1], not_after=past),
+        client.call(T.SWAP_IN, device_ids=[1], host_ids=[1], not_after=past),
+        client.call(T.STORE, keys=["late"], host_ids=[1], not_after=past),
+        client.call(T.LOAD, keys=["late"], host_ids=[1], not_after=past),
+    ]
+    detach(client)
+    return outcomes
+
+
 def paused(ctx: Ctx) -> list[Outcome]:
     client = ctx.attached()
     assert client.call(T.PAUSE).result["paused"] is True
@@ -385,6 +413,8 @@ CASES = [
     Case(E.BAD_STATE, "main", bad_state),
     Case(E.STALE_WEIGHTS, "fresh_daemon", stale_weights),
     Case(E.PAUSED, "fresh_daemon", paused),
+    Case(E.HOST_BLOCK_CHANGED, "main", host_block_changed),
+    Case(E.EXPIRED, "main", expired),
     Case(E.STORAGE_UNAVAILABLE, "pristine", storage_unavailable),
     Case(E.STORAGE_TIMEOUT, "main", storage_timeout),
     Case(E.STORAGE_ERROR, "main", storage_error),
