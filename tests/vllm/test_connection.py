@@ -125,8 +125,8 @@ def test_hung_daemon_keeps_its_link_and_a_killed_one_is_replaced(short_tmp: Path
 
         daemon.kill()  # SIGKILL while attached: lost at once (its process is gone), not after silence
         killed = time.monotonic()
-        reasons = tick_until(conn, lambda: not conn.up, 5)
-        assert reasons and time.monotonic() - killed < 1.5, reasons
+        tick_until(conn, lambda: not conn.up, 5)  # the engine's tick or the keeper's sees it first
+        assert time.monotonic() - killed < 1.5
 
         daemon = start_daemon(short_tmp, "d", short_tmp / "storage")  # same endpoint, new boot
         wait_until(lambda: conn.up and attached_runner(daemon) == os.getpid(), 15, "re-attached by the keeper")

@@ -180,7 +180,12 @@ def test_a_host_cache_changed_under_vllm_is_never_served(
     clear_host(daemon)
     assert generate(llm, PROMPTS[3])[:2] == reference.outputs[3][:2], "a cleared host block was served"
 
+    swap_outs = ops(daemon, "swap_out")
     assert generate(llm, PROMPTS[4])[:2] == reference.outputs[4][:2]
+    # vLLM submits a request's stores at its next step: drive one, so that they are done
+    # before the other client writes (a store after it would restore the plug-in's blocks).
+    wait_for(lambda: bool(generate(llm, PROMPTS[39][:40])) and ops(daemon, "swap_out") > swap_outs, 30,
+             "prompt 4's blocks to reach the host")  # fmt: skip
     reset_gpu_cache(llm)
     before = refused(daemon)
     with EngineClient([daemon.endpoint]) as other:  # another client writes every host block vLLM uses
