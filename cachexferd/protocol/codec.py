@@ -17,6 +17,7 @@ from typing import Any
 import msgpack
 import msgspec
 
+from . import typed
 from .constants import HEADER_LEN, MAGIC, PROTOCOL_MAJOR, ErrorCode, Limits, MsgType
 from .errors import ProtocolError
 from .messages import COMMAND_TYPES, COMMANDS, Command, Outcome, error_name
@@ -203,6 +204,9 @@ def decode_outcome(frames: list[bytes]) -> tuple[MsgType, Outcome]:
 
 def decode_outcomes(frames: list[bytes]) -> list[Outcome]:
     """The outcomes in a REPLY, EVENT or EVENT_BATCH message."""
+    fast = typed.decode_outcomes(frames)  # one compiled call for well-formed messages
+    if fast is not None:
+        return fast
     msg_type, body = _outcome_frames(frames)
     if msg_type in (MsgType.REPLY, MsgType.EVENT):
         return [Outcome.from_wire(body)]

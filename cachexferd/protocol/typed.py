@@ -24,7 +24,7 @@ import msgspec
 
 from .constants import MAGIC, PROTOCOL_MAJOR, Limits, MsgType
 from .fields import wire_type
-from .messages import COMMANDS, Command
+from .messages import COMMANDS, Command, Outcome
 
 _asdict = msgspec.structs.asdict
 _new = object.__new__
@@ -117,3 +117,61 @@ def decode_batch(data: bytes) -> list[Command] | None:
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None
     return [command_of(item.body) for item in items]
+
+
+# Outcomes, for the clients --------------------------------------------------------------
+
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Compact(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One entry of an EVENT_BATCH: the bounds of Outcome.from_compact's checkers."""
+
+    req_id: _Count
+    op: Annotated[int, msgspec.Meta(ge=0, le=255)]
+    code: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
+    detail: Annotated[str, msgspec.Meta(max_length=Limits.MAX_STR * 4)]
+    result: Annotated[dict[str, Any], msgspec.Meta(max_length=1 << 16)]
+
+
+class _EventBatch(msgspec.Struct, forbid_unknown_fields=True):
+    boot_id: str
+    rank: int
+    events: list[_Compact]
+
+
+class _Outcome(msgspec.Struct, forbid_unknown_fields=True):
+    """A REPLY or EVENT body: the bounds of Outcome.from_wire's checkers."""
+
+    req_id: _Count
+    boot_id: Annotated[str, msgspec.Meta(max_length=64)]
+    rank: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+    code: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
+    detail: Annotated[str, msgspec.Meta(max_length=Limits.MAX_STR * 4)] = ""
+    result: Annotated[dict[str, Any], msgspec.Meta(max_length=1 << 16)] = {}
+    op: Annotated[int, msgspec.Meta(ge=0, le=255)] = 0
+    error: str = ""  # follows from code; not kept
+
+
+_EVENT_BATCH = msgspec.msgpack.Decoder(_EventBatch)
+_OUTCOME = msgspec.msgpack.Decoder(_Outcome)
+_OUTCOME_TYPES = (MsgType.REPLY, MsgType.EVENT)
+
+
+def decode_outcomes(frames: list[bytes]) -> list[Outcome] | None:
+    """The outcomes in a daemon's REPLY, EVENT or EVENT_BATCH, or None: ask the checked path
+    (codec.decode_outcomes). Values inside a ``result`` map are taken as they come."""
+    if len(frames) != 2 or frames[0][:3] != _PREFIX or len(frames[0]) != 4 or len(frames[1]) > Limits.MAX_BODY_BYTES:
+        return None
+    msg_type = frames[0][3]
+    try:
+        if msg_type == MsgType.EVENT_BATCH:
+            batch = _EVENT_BATCH.decode(frames[1])
+            boot_id, rank = batch.boot_id, batch.rank
+            return [Outcome(e.req_id, boot_id, rank, e.code, e.detail, e.result, e.op) for e in batch.events]
+        if msg_type in _OUTCOME_TYPES:
+            o = _OUTCOME.decode(frames[1])
+            return [Outcome(o.req_id, o.boot_id, o.rank, o.code, o.detail, o.result, o.op)]
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    return None

@@ -206,3 +206,41 @@ def test_outcomes_are_the_bytes_msgpack_writes(req_id: int, op: int, detail: str
     batch = encode_event_batch("b1", 0, [[req_id, op, 0, detail, result]])
     assert batch[1] == msgpack.packb({"boot_id": "b1", "rank": 0, "events": [[req_id, op, 0, detail, result]]},
                                      use_bin_type=True)  # fmt: skip
+
+
+def checked_outcomes(frames: list[bytes]) -> list[Any] | None:
+    from cachexferd.protocol.codec import _outcome_frames
+    from cachexferd.protocol.messages import Outcome
+
+    try:
+        msg_type, body = _outcome_frames(frames)
+        if msg_type == MsgType.EVENT_BATCH:
+            return [Outcome.from_compact(e, body["boot_id"], body["rank"]) for e in body["events"]]
+        return [Outcome.from_wire(body)]
+    except (ProtocolError, KeyError, TypeError):
+        return None
+
+
+entry_values = (
+    st.sampled_from([-1, 0, 7, 255, 256, 2**16, 2**64 - 1]) | st.text(max_size=3) | st.none()
+    | st.dictionaries(st.text(max_size=3), st.integers(0, 9), max_size=2)
+)  # fmt: skip
+entries = st.lists(entry_values, min_size=4, max_size=6)
+
+
+@SETTINGS
+@given(st.text(max_size=70) | st.integers(-9, 9), st.integers(-1, 2**21), st.lists(entries, max_size=3))
+def test_fast_outcomes_are_the_checked_outcomes_or_nothing(boot_id: Any, rank: int, events: list[Any]) -> None:
+    from cachexferd.protocol.typed import decode_outcomes as fast_outcomes
+
+    frames = [b"CX\x01\x82", msgpack.packb({"boot_id": boot_id, "rank": rank, "events": events})]
+    fast = fast_outcomes(frames)
+    if fast is not None:
+        assert fast == checked_outcomes(frames)
+    single = {"req_id": rank, "boot_id": boot_id, "rank": rank, "code": 0, "op": 16, "error": "OK", "result": {}}
+    frames = [b"CX\x01\x80", msgpack.packb(single)]
+    fast = fast_outcomes(frames)
+    if fast is not None:
+        assert fast == checked_outcomes(frames)
+    elif isinstance(boot_id, str) and len(boot_id) <= 64 and 0 <= rank <= 2**20:
+        pytest.fail("a well-formed reply took the checked path")
