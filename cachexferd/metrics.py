@@ -120,6 +120,8 @@ class CommandStats:
         with self._lock:
             key = (op, outcome)
             self._counts[key] = self._counts.get(key, 0) + len(latencies)
+            if not latencies:
+                return
             buckets = self._buckets.get(op)
             if buckets is None:
                 buckets = self._buckets[op] = [0] * (len(_LATENCY_BUCKETS) + 1)
