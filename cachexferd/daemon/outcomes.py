@@ -58,7 +58,7 @@ class Outcomes:
             self._schedule()
         else:
             arrivals.append(req.received)
-        if code:
+        if code and log.isEnabledFor(logging.DEBUG):  # the names cost more than the check
             log.debug("%s req_id=%d -> %s: %s", op_name(op), req_id, code_name(code), detail)
         session = self.sessions.get(req.identity)
         if as_reply or op not in ASYNC_TYPES or not req_id or session is None or session.events is None:
