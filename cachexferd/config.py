@@ -112,9 +112,19 @@ class CudaConfig:
     copy_method: str = field(
         default="auto",
         metadata=_meta(
-            "auto, dma (2D memcpy per run) or staging (device gather/scatter); docs/cuda.md",
-            choices=("auto", "dma", "staging"),
+            "auto, dma (2D memcpy per run), staging (device gather/scatter + DMA) or kernel (zero-copy); docs/cuda.md",
+            choices=("auto", "dma", "staging", "kernel"),
         ),
+    )
+    dma_min_bytes: int = field(
+        default=256 << 10,
+        metadata=_meta("auto copies with DMA when its contiguous rows average at least this", kind="size"),
+    )
+    kernel_programs_d2h: int = field(
+        default=8, metadata=_meta("copy kernel: persistent programs (SMs) for swap-out", lo=1, hi=1024)
+    )
+    kernel_programs_h2d: int = field(
+        default=32, metadata=_meta("copy kernel: persistent programs (SMs) for swap-in", lo=1, hi=1024)
     )
     memcpy_api: str = field(
         default="auto",
@@ -125,7 +135,7 @@ class CudaConfig:
     )
     staging_below: int = field(
         default=64 << 10,
-        metadata=_meta("auto stages a swap when direct DMA averages fewer bytes per call", kind="size"),
+        metadata=_meta("without Triton: auto stages a swap when DMA averages fewer bytes per call", kind="size"),
     )
     batch_bytes: int = field(
         default=64 << 20,

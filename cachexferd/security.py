@@ -26,9 +26,6 @@ if TYPE_CHECKING:
     from .config import AccessConfig, Config
 
 _TCP = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\[\]\s]+):(\d+)$")
-# Key of the attach request's ``device`` map under which the daemon hands the backend the
-# SegmentPolicy of the asking peer (any client-sent value under it is replaced).
-POLICY_FIELD = "_segment_policy"
 
 
 class AccessError(ValueError):
@@ -216,10 +213,16 @@ class SegmentPolicy:
         return f"is owned by uid {owner}, neither this daemon's user nor a member of access.group"
 
 
-def segment_policy(device: dict[str, Any]) -> SegmentPolicy:
-    """The policy the daemon put into an attach request (the strictest default without one)."""
-    policy = device.get(POLICY_FIELD)
-    return policy if isinstance(policy, SegmentPolicy) else SegmentPolicy()
+@dataclass(frozen=True)
+class Requester:
+    """The daemon's view of the process that asks for an attach: the kernel's credentials
+    of its connection (None over tcp, or where the daemon could not read them) and the
+    segments it may name. It travels beside the request, from the access guard to the
+    backend, and never inside the client's ``device`` map: a backend decodes that map as the
+    client sent it. The default is the strictest view (an unknown peer)."""
+
+    peer: Peer | None = None
+    segments: SegmentPolicy = field(default_factory=SegmentPolicy)
 
 
 # CURVE keys ----------------------------------------------------------------------------

@@ -1,49 +1,102 @@
 #!/usr/bin/env bash
-# Validates and benchmarks the cuda backend on a machine with an NVIDIA GPU.
+# Validates and benchmarks the cuda backend on a machine with an NVIDIA GPU, in one go.
 #
-#   scripts/gpu-validate.sh                     # writes to $OUT, or ./gpu-validate-out
-#   STEPS="tests pin" scripts/gpu-validate.sh   # a subset of: tests bench copy pin
+#   scripts/gpu-validate.sh [--wheels DIR] [--out DIR] [--anchors DIR] [--steps "tests bench ..."]
+#   scripts/gpu-validate.sh --fetch-wheels DIR     # on a machine with PyPI: the wheels a bare GPU image lacks
 #
-# Steps, each under its own time limit (about 12 min in all; a typical run is far shorter):
-#   tests  pytest -m cuda -v tests (every GPU test), then the CPU tests of the cuda backend's
-#          logic (pool scheduling, handle encoding, copy plans, import guard)
-#   bench  cachexferd bench swap --backend cuda ($BENCH_ARGS; results under $OUT/bench)
-#   copy   scripts/cuda_copy_probe.py: dma vs staging vs a raw pinned copy -> the auto rule
-#   pin    scripts/pin_probe.py: pinning 64 GiB, its time, status latency meanwhile
-# Output in $OUT: summary.txt (environment and each step's exit code), pytest-cuda.log,
-# bench.log, bench/ (the bench's own files), probes.log, copy_probe.json, pin_probe.json.
+# Steps (default: all, about 8 minutes; each under its own time limit; STEPS or --steps picks some):
+#   tests    pytest -m cuda on every test file with GPU tests (exactness of every copy method,
+#            IPC through daemons, the vLLM layouts' CUDA attach), then the CPU tests of the cuda
+#            backend's logic (plans, method rule, handles, pool, import guard)
+#   bench    cachexferd bench swap --backend cuda --preset vllm (pieces 4/16/32 KiB, 1..1024
+#            scattered blocks, d2h/h2d/both, every copy method; raw references warmed)
+#   anchors  the reference scripts (anchor_kernel.py, anchor_gather.py, anchor_duplex.py) from
+#            --anchors (default ../shared/gpu/h100-2026-11-25 or shared/gpu/h100-2026-11-25),
+#            run beside the bench in the same session; skipped when absent
+#   copy     scripts/cuda_copy_probe.py: every method vs a warmed raw pinned copy, 1 GiB swaps
+#   pin      scripts/pin_probe.py: pinning $PIN_CAPACITY (default 32GiB), status latency meanwhile
+# With 10-minute commands, run it as two: --steps "tests", then --steps "bench anchors copy pin".
 #
-# Needs torch with CUDA, msgpack, uvloop, prometheus-client, pytest and cuda-bindings. If
-# pyzmq is missing and its wheel sits in .whl/, it is installed from there into /tmp/site.
+# Output in --out (default $OUT or ./gpu-validate-out): summary.txt (environment, each step's
+# exit code and time, pytest counts, and scripts/gpu_summary.py's table: bench rows per method
+# beside the anchors and the targets, comparable with shared/gpu/h100-2026-11-25/summary.txt),
+# pytest-cuda.log, bench.log, bench/swap.json, anchors/*.jsonl, probes.log, copy_probe.json,
+# pin_probe.json.
+#
+# Needs python3 with the CUDA build of torch (which brings Triton). pyzmq, msgpack, uvloop,
+# prometheus-client, pytest and pytest-timeout are installed from --wheels DIR when missing
+# (into /tmp/cx-site, put on PYTHONPATH so every subprocess, the tests' included, sees them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/gpu-validate-out}"
-mkdir -p "$OUT/bench"
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-tests bench copy pin}"
+OUT="${OUT:-$PWD/gpu-validate-out}"
+STEPS="${STEPS:-tests bench anchors copy pin}"
+WHEELS="${WHEELS:-}"
+ANCHORS="${ANCHORS:-}"
+PIN_CAPACITY="${PIN_CAPACITY:-32GiB}"
+NEEDED="pyzmq msgpack uvloop prometheus-client pytest pytest-timeout"
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --wheels) WHEELS="$2"; shift 2 ;;
+    --out) OUT="$2"; shift 2 ;;
+    --steps) STEPS="$2"; shift 2 ;;
+    --anchors) ANCHORS="$2"; shift 2 ;;
+    --fetch-wheels)
+      # shellcheck disable=SC2086  # NEEDED is a list of words
+      exec "$PY" -m pip download --only-binary=:all: --python-version "${PY_VERSION:-3.12}" \
+        --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --dest "$2" $NEEDED ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$OUT/bench" "$OUT/anchors"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-if ! "$PY" -c "import zmq" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+missing_modules() {
+  "$PY" - <<'EOF'
+import importlib.util
+wanted = {"zmq": "pyzmq", "msgpack": "msgpack", "uvloop": "uvloop", "prometheus_client": "prometheus-client",
+          "pytest": "pytest", "pytest_timeout": "pytest-timeout"}
+print(" ".join(pkg for mod, pkg in wanted.items() if importlib.util.find_spec(mod) is None))
+EOF
+}
+
+missing=$(missing_modules)
+if [ -n "$missing" ]; then
+  if [ -n "$WHEELS" ] && [ -d "$WHEELS" ]; then
+    # shellcheck disable=SC2086  # a list of package names
+    "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-compile --target /tmp/cx-site $missing
+    export PYTHONPATH="$PYTHONPATH:/tmp/cx-site"
+    missing=$(missing_modules)
+  fi
+  [ -n "$missing" ] && echo "missing: $missing (give --wheels DIR; make one with --fetch-wheels DIR)" >&2
+fi
+
+if [ -z "$ANCHORS" ]; then
+  for dir in ../shared/gpu/h100-2026-11-25 shared/gpu/h100-2026-11-25; do
+    [ -f "$dir/anchor_kernel.py" ] && ANCHORS="$dir" && break
+  done
 fi
 
 SUMMARY="$OUT/summary.txt"
 {
-  echo "# gpu-validate $(date -u +%Y-%m-%dT%H:%M:%SZ) at $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "# gpu-validate $(date -u +%Y-%m-%dT%H:%M:%SZ) at $(git rev-parse --short HEAD 2>/dev/null || echo '?') steps: $STEPS"
   nvidia-smi --query-gpu=name,uuid,driver_version,memory.total,pci.bus_id --format=csv,noheader 2>&1
   "$PY" - <<'EOF' 2>&1
-import importlib.util, platform, torch
+import importlib.util, os, platform, torch
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
 print("cuda available", torch.cuda.is_available(), "devices", torch.cuda.device_count())
-for name in ("cuda.bindings", "zmq", "msgpack", "uvloop", "prometheus_client", "pytest_timeout"):
+for name in ("triton", "cuda.bindings", "zmq", "msgpack", "uvloop", "prometheus_client", "pytest_timeout"):
     try:
         found = importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:
         found = False
     print(f"{name}: {'yes' if found else 'MISSING'}")
+print("load average", " ".join(f"{x:.2f}" for x in os.getloadavg()), "cpus", os.cpu_count())
 EOF
   echo "numa nodes: $(ls -d /sys/devices/system/node/node* 2>/dev/null | wc -l); memlock: $(ulimit -l)"
+  echo "anchors: ${ANCHORS:-none found}"
 } >"$SUMMARY"
 
 step() {  # step NAME LIMIT_S LOG COMMAND...
@@ -56,14 +109,26 @@ step() {  # step NAME LIMIT_S LOG COMMAND...
   echo "step $name: exit $rc after $((SECONDS - started))s (limit ${limit}s): $*" | tee -a "$SUMMARY"
 }
 
-step tests 240 "$OUT/pytest-cuda.log" "$PY" -m pytest -p no:cacheprovider -v -rs --timeout 200 -m cuda tests
-step tests 60 "$OUT/pytest-cuda.log" "$PY" -m pytest -p no:cacheprovider -q tests/unit/test_cuda_ipc_encoding.py \
-  tests/unit/test_cuda_pool_logic.py tests/unit/test_cuda_copy_plan.py tests/unit/test_import_guard.py
-# shellcheck disable=SC2086  # BENCH_ARGS is a list of words on purpose
-step bench 150 "$OUT/bench.log" "$PY" -m cachexferd bench swap ${BENCH_ARGS:---backend cuda --json $OUT/bench/swap.json}
-step copy 110 "$OUT/probes.log" "$PY" scripts/cuda_copy_probe.py --out "$OUT/copy_probe.json"
-step pin 150 "$OUT/probes.log" "$PY" scripts/pin_probe.py --capacity 64GiB --chunk 1GiB --out "$OUT/pin_probe.json"
+mapfile -t GPU_TESTS < <(grep -rl --include='test_*.py' -e 'pytest.mark.cuda' tests)
+step tests 330 "$OUT/pytest-cuda.log" "$PY" -m pytest -p no:cacheprovider -v -rs --timeout 240 -m cuda "${GPU_TESTS[@]}"
+step tests 90 "$OUT/pytest-cuda.log" "$PY" -m pytest -p no:cacheprovider -q tests/unit/test_cuda_ipc_encoding.py \
+  tests/unit/test_cuda_pool_logic.py tests/unit/test_cuda_copy_plan.py tests/unit/test_import_guard.py \
+  tests/unit/test_cuda_kernel.py tests/unit/test_vllm_cuda_layouts.py
+step bench 220 "$OUT/bench.log" "$PY" -m cachexferd bench swap --backend cuda --preset vllm --min-time 0.1 \
+  --json "$OUT/bench/swap.json"
+if [ -n "$ANCHORS" ]; then
+  for anchor in anchor_kernel anchor_gather anchor_duplex; do
+    [ -f "$ANCHORS/$anchor.py" ] || continue
+    step anchors 100 "$OUT/anchors/$anchor.jsonl" "$PY" "$ANCHORS/$anchor.py"
+  done
+fi
+step copy 120 "$OUT/probes.log" "$PY" scripts/cuda_copy_probe.py --out "$OUT/copy_probe.json"
+step pin 100 "$OUT/probes.log" "$PY" scripts/pin_probe.py --capacity "$PIN_CAPACITY" --chunk 1GiB \
+  --out "$OUT/pin_probe.json"
 
-grep -E "passed|failed|error" "$OUT/pytest-cuda.log" | tail -3 >>"$SUMMARY" 2>/dev/null
+{
+  grep -E "^(=+ )?[0-9]+ (passed|failed)|passed|failed|error" "$OUT/pytest-cuda.log" 2>/dev/null | tail -3
+  "$PY" scripts/gpu_summary.py "$OUT"
+} >>"$SUMMARY" 2>&1
 cat "$SUMMARY"
 ! grep -q "exit [^0]" "$SUMMARY"

@@ -34,8 +34,10 @@ def config_for(runtime_dir: Path, **settings: Any) -> Config:
 class InProcessDaemon:
     """A Daemon serving from a background thread with its own event loop."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, backend: Callable[[], Any] | None = None) -> None:
+        """``backend``: makes the Backend instance to serve with (default: by config)."""
         self.config = config
+        self.make_backend = backend
         self.endpoint = config.endpoint
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -46,7 +48,7 @@ class InProcessDaemon:
     def _main(self) -> None:
         async def run() -> None:
             self.loop = asyncio.get_running_loop()
-            self.daemon = Daemon(self.config)
+            self.daemon = Daemon(self.config, self.make_backend() if self.make_backend is not None else None)
             try:
                 await self.daemon.start()
             except BaseException as exc:

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from ..host_cache import HostGeometry, HostPool
 from ..protocol import ErrorCode, KVLayout, ProtocolError
+from ..security import Requester
 
 
 class Direction(StrEnum):
@@ -117,9 +118,13 @@ class Backend(ABC):
 
     @abstractmethod
     def import_device_cache(
-        self, layout: KVLayout, device: dict[str, Any], pool: HostPool, geometry: HostGeometry
+        self, layout: KVLayout, device: dict[str, Any], pool: HostPool, geometry: HostGeometry, requester: Requester
     ) -> DeviceCache:
-        """Blocking (the daemon runs it in an executor). Raises AttachError."""
+        """Blocking (the daemon runs it in an executor). Raises AttachError.
+
+        ``device`` is the client's map exactly as it sent it: decode it strictly (a key
+        outside the backend's documented ones is BAD_FIELD). What the daemon knows about the
+        asking process comes separately, as ``requester``."""
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name}

@@ -1,10 +1,11 @@
 """The cpu backend: the runner's KV cache lives in POSIX shared memory.
 
-Attach handles (``device`` map of the attach command)::
+Attach handles (``device`` map of the attach command; exactly these keys)::
 
     {"kind": "shm", "name": "<name in /dev/shm>", "offsets": [byte offset of each tensor]}
 
 Each tensor is ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous at its offset.
+When the attached runner dies, the daemon removes its segment (see ``remove_segment``).
 
 Copies are torch ``copy_`` calls on strided uint8 views, which release the GIL:
 - tensors evenly spaced in the segment form one *group*, viewed as ``[num_blocks, g, chunk]``,
@@ -20,10 +21,10 @@ torch's own intra-op threads are set to 1 in the daemon: the workers are the par
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import gc
 import itertools
+import logging
 import os
 import re
 import stat
@@ -36,14 +37,18 @@ import torch
 
 from ..host_cache import HostGeometry, HostPool
 from ..protocol import ErrorCode, KVLayout, ProtocolError
-from ..security import SegmentPolicy, segment_policy
+from ..security import Requester, SegmentPolicy
 from .base import AttachError, Backend, CancelToken, DeviceCache, Direction, SwapRequest
 from .plan import Run, coalesce, even_groups, shard_tagged
 
 if TYPE_CHECKING:
     from ..config import Config
 
+log = logging.getLogger(__name__)
+
 SHM_DIR = "/dev/shm"
+KIND = "shm"
+DEVICE_KEYS = frozenset({"kind", "name", "offsets"})
 _SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 _FOREACH_BATCH = 512  # single-block copies per _foreach_copy_ call (bounds cancel latency)
 _MIN_SHARD_BYTES = 2 << 20  # below this, handing work to another thread costs more than it saves
@@ -58,6 +63,33 @@ class TensorGroup:
     count: int
     device: torch.Tensor  # [num_blocks, count, chunk] uint8 view into the shared segment
     host: torch.Tensor  # [host_blocks, count, chunk] uint8 view into the host pool
+
+
+@dataclass(frozen=True)
+class SegmentIdentity:
+    """The file an attach mapped: a dead runner's segment is removed only if the name still
+    leads to this file (a name can be taken by another file meanwhile)."""
+
+    device: int
+    inode: int
+    owner: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> SegmentIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_uid)
+
+
+def decode_device(device: Any) -> tuple[str, Any]:
+    """(segment name, offsets as sent): the map must be exactly the documented one."""
+    if type(device) is not dict or device.get("kind") != KIND:
+        raise AttachError(f"cpu backend needs device.kind = {KIND!r}", ErrorCode.BAD_FIELD)
+    unknown = set(device) - DEVICE_KEYS
+    if unknown:
+        raise AttachError(f"device has unknown fields {sorted(map(str, unknown))}", ErrorCode.BAD_FIELD)
+    name = device.get("name")
+    if type(name) is not str or not _SHM_NAME.match(name) or name in (".", ".."):
+        raise AttachError("device.name must be 1-200 chars of [A-Za-z0-9._-]", ErrorCode.BAD_FIELD)
+    return name, device.get("offsets")
 
 
 def validate_offsets(offsets: Any, layout: KVLayout, segment_bytes: int) -> list[int]:
@@ -77,26 +109,25 @@ def validate_offsets(offsets: Any, layout: KVLayout, segment_bytes: int) -> list
     return offsets
 
 
-def open_segment(name: Any, policy: SegmentPolicy | None = None) -> tuple[torch.UntypedStorage, int]:
+def open_segment(name: str, policy: SegmentPolicy) -> tuple[torch.UntypedStorage, int, SegmentIdentity]:
     """Maps /dev/shm/<name> shared; refuses to create or grow it, and (see _open_checked) to
     map anything but a regular file there that ``policy`` allows."""
-    if type(name) is not str or not _SHM_NAME.match(name) or name in (".", ".."):
-        raise AttachError("device.name must be 1-200 chars of [A-Za-z0-9._-]", ErrorCode.BAD_FIELD)
-    fd, size = _open_checked(name, policy or SegmentPolicy())
+    fd, st = _open_checked(name, policy)
     try:
-        if size == 0:
+        if st.st_size == 0:
             raise AttachError(f"shared memory {name!r} is empty")
         # Map through our fd so a name swapped after the open cannot redirect the mapping.
         storage = cast(
-            torch.UntypedStorage, torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=size)
+            torch.UntypedStorage,
+            torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=st.st_size),
         )
     finally:
         os.close(fd)
-    return storage, size
+    return storage, st.st_size, SegmentIdentity.of(st)
 
 
-def _open_checked(name: str, policy: SegmentPolicy) -> tuple[int, int]:
-    """(fd, size) of /dev/shm/<name>. The daemon opens it with its own rights, so it checks
+def _open_checked(name: str, policy: SegmentPolicy) -> tuple[int, os.stat_result]:
+    """(fd, fstat) of /dev/shm/<name>. The daemon opens it with its own rights, so it checks
     what the asking process could not have opened itself: a symbolic link (to a root-only
     file, say) is never followed, special files are never opened (a FIFO could block), and
     the opened file's owner must satisfy ``policy`` (fstat of the fd: no swap in between)."""
@@ -119,19 +150,77 @@ def _open_checked(name: str, policy: SegmentPolicy) -> tuple[int, int]:
     if refusal is not None:
         os.close(fd)
         raise AttachError(f"shared memory {name!r} {refusal}")
-    return fd, st.st_size
+    return fd, st
+
+
+def remove_segment(name: str, identity: SegmentIdentity, shm_dir: str = SHM_DIR) -> str:
+    """Removes a dead runner's segment, if ``name`` still leads to the file that was mapped
+    (same device, inode and owner: a name another file took meanwhile is left alone).
+
+    Where the daemon may not unlink it (``/dev/shm`` is sticky: only the file's owner or
+    root may, so a daemon that maps a group's segments cannot), it empties the file instead
+    (truncates it to 0 bytes, which frees its memory; the runner, its only user, is gone)
+    and leaves the empty name for its owner. Returns what happened: "removed", "emptied",
+    "gone" (nothing there), "replaced" (another file has the name) or "kept" (an error,
+    logged)."""
+    dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if SegmentIdentity.of(st) != identity:
+            log.warning(
+                "not removing %s/%s: the name now leads to another file (owner uid %d)", shm_dir, name, st.st_uid
+            )
+            return "replaced"
+        # Between the stat and the unlink only the file's owner or root could swap the name.
+        os.unlink(name, dir_fd=dir_fd)
+        log.info("removed the dead runner's segment %s/%s", shm_dir, name)
+        return "removed"
+    except FileNotFoundError:
+        return "gone"
+    except PermissionError:
+        return _empty_segment(name, identity, dir_fd, shm_dir)
+    except OSError as exc:
+        log.warning("could not remove the dead runner's segment %s/%s: %s", shm_dir, name, exc)
+        return "kept"
+    finally:
+        os.close(dir_fd)
+
+
+def _empty_segment(name: str, identity: SegmentIdentity, dir_fd: int, shm_dir: str) -> str:
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        log.warning("could not remove or empty the dead runner's segment %s/%s: %s", shm_dir, name, exc)
+        return "kept"
+    try:
+        if SegmentIdentity.of(os.fstat(fd)) != identity:  # checked on the opened file: no race
+            log.warning("not emptying %s/%s: the name now leads to another file", shm_dir, name)
+            return "replaced"
+        os.ftruncate(fd, 0)
+    except OSError as exc:
+        log.warning("could not empty the dead runner's segment %s/%s: %s", shm_dir, name, exc)
+        return "kept"
+    finally:
+        os.close(fd)
+    log.warning(
+        "emptied the dead runner's segment %s/%s (its memory is freed); only its owner, uid %d, may remove the "
+        "empty name", shm_dir, name, identity.owner,
+    )  # fmt: skip
+    return "emptied"
 
 
 class CpuDeviceCache(DeviceCache):
     inline_bytes = _INLINE_BYTES
 
-    def __init__(self, backend: CpuBackend, layout: KVLayout, device: dict[str, Any], host: torch.Tensor) -> None:
-        if device.get("kind") != "shm":
-            raise AttachError("cpu backend needs device.kind = 'shm'", ErrorCode.BAD_FIELD)
-        storage, size = open_segment(device.get("name"), segment_policy(device))
+    def __init__(
+        self, backend: CpuBackend, layout: KVLayout, device: dict[str, Any], host: torch.Tensor, requester: Requester
+    ) -> None:
+        name, wire_offsets = decode_device(device)
+        storage, size, self.identity = open_segment(name, requester.segments)
         self.layout = layout
-        self.segment = str(device["name"])
-        offsets = validate_offsets(device.get("offsets"), layout, size)
+        self.segment = name
+        offsets = validate_offsets(wire_offsets, layout, size)
         self._backend = backend
         self._storage: torch.UntypedStorage | None = storage
         self.groups = self._make_groups(storage, offsets, host)
@@ -219,9 +308,8 @@ class CpuDeviceCache(DeviceCache):
     def orphaned(self) -> None:
         # The runner unlinks its segment when it closes its cache; one killed with SIGKILL
         # never does, and the name would pin the memory until reboot. Both sides are gone
-        # now (we closed our mapping), so the name can go.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, self.segment))
+        # now (we closed our mapping), so the file can go.
+        remove_segment(self.segment, self.identity)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "segment": self.segment, "groups": len(self.groups)}
@@ -243,9 +331,9 @@ class CpuBackend(Backend):
         return HostPool(capacity)
 
     def import_device_cache(
-        self, layout: KVLayout, device: dict[str, Any], pool: HostPool, geometry: HostGeometry
+        self, layout: KVLayout, device: dict[str, Any], pool: HostPool, geometry: HostGeometry, requester: Requester
     ) -> DeviceCache:
-        return CpuDeviceCache(self, layout, device, pool.blocks(geometry, layout.num_tensors))
+        return CpuDeviceCache(self, layout, device, pool.blocks(geometry, layout.num_tensors), requester)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "copy_threads": self.copy_threads}

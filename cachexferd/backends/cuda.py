@@ -9,8 +9,9 @@ cpu path never imports this module. docs/cuda.md describes the design; in short:
   releases the runner's ref counters as they die.
 - Copies: each direction is a Lane (its own stream, an issuer thread that enqueues the
   copies, a waiter thread that waits for the completion event). The event loop only awaits
-  futures; it never synchronises. Method per swap: direct 2D DMA or device staging
-  (cuda_copy.choose_method).
+  futures; it never synchronises. Method per swap (cuda_copy.choose_method): direct 2D DMA,
+  device staging (the piece kernel or torch index ops, plus DMA), or the zero-copy piece
+  kernel (cuda_kernel.py, Triton, loaded at the first attach).
 """
 
 from __future__ import annotations
@@ -30,24 +31,34 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..client.cuda_runner import check_runner_tensors
 from ..host_cache import HostGeometry, HostPool
 from ..protocol import KVLayout
+from ..security import Requester
+from . import cuda_kernel
 from .base import AttachError, Backend, CancelToken, DeviceCache, Direction
 from .cuda_copy import (
     Copy2D,
     DmaGeometry,
+    Engines,
+    MethodRule,
+    StagingBatch,
+    SwapShape,
     batches,
     choose_method,
     dma_calls,
+    dma_rows,
     iter_dma,
     plan_staging,
     split_runs,
 )
-from .cuda_ipc import ImportWatch, TorchStorageOps, check_runner_tensors, import_handles, resolve_device, visible_uuids
+from .cuda_ipc import ImportWatch, TorchStorageOps, decode_handles, import_handles, resolve_device, visible_uuids
+from .cuda_kernel import Grid, PieceMover
+from .cuda_pieces import PieceGeometry, split_pairs
 from .cuda_pool import CudartRegistrar, PinnedHostPool, pci_numa_node
 from .cuda_runtime import EventWaiter, Memcpy, load_memcpy
 from .cuda_stage import DeviceTensor, Stager, from_tensors
-from .plan import coalesce
+from .plan import Run, coalesce
 
 if TYPE_CHECKING:
     from ..config import Config, CudaConfig
@@ -118,11 +129,31 @@ class CudaDeviceCache(DeviceCache):
             backend.max_pitch,
         )  # fmt: skip
         self.stager: Stager | None = Stager(layout, tensors, pool.blocks(geometry, layout.num_tensors), backend.device)
+        self.mover = self._mover(backend, layout, pool)
+        self.engines = Engines(dma=backend.memcpy is not None, kernel=self.mover is not None and backend.zero_copy)
         self.pin_boundary = pool.pinner.spans[0][1] if isinstance(pool, PinnedHostPool) else 0
-        self.methods: dict[str, int] = {"dma": 0, "staging": 0}  # swaps by method, for describe()
+        self.methods: dict[str, int] = {"dma": 0, "staging": 0, "kernel": 0}  # swaps by method, for describe()
         self.lanes = backend.lanes  # created here, off the event loop (attach runs in an executor)
-        self._inflight = 0
+        self._inflight = {d: 0 for d in Direction}  # swaps per direction: the auto rule asks if the other is busy
         self._inflight_lock = threading.Lock()
+
+    def _mover(self, backend: CudaBackend, layout: KVLayout, pool: HostPool) -> PieceMover | None:
+        kernel = backend.kernel
+        if kernel is None or backend.config.copy_method == "dma":
+            return None
+        geo = PieceGeometry(tuple(t.address for t in self.tensors), layout.chunk_bytes, layout.chunk_bytes)
+        mover = PieceMover(kernel, geo, pool.tensor, layout.host_block_bytes, backend.device, backend.grid)
+        try:
+            with torch.cuda.device(backend.device_index):
+                mover.warm_up()
+        except Exception as exc:
+            log.warning("the copy kernel does not run here (%s: %s): copying without it", type(exc).__name__, exc)
+            return None
+        return mover
+
+    @property
+    def _busy(self) -> int:
+        return sum(self._inflight.values())
 
     @property
     def mappings(self) -> int:
@@ -138,25 +169,25 @@ class CudaDeviceCache(DeviceCache):
             await self.pool.wait_ready_async(end)  # documented choice: wait for pinning
         cancel.check()
         lane = self.lanes[direction]
-        self._track(+1)
+        self._track(direction, +1)
         try:
             issued = await asyncio.get_running_loop().run_in_executor(
                 lane.issuer, self._issue, lane, direction is Direction.D2H, device_ids, host_ids, cancel
             )
         except BaseException:
-            self._track(-1)
+            self._track(direction, -1)
             raise
         if issued.event is None:
-            self._track(-1)
+            self._track(direction, -1)
         else:
-            await lane.waiter.wait(issued.event, partial(self._track, -1))
+            await lane.waiter.wait(issued.event, partial(self._track, direction, -1))
         if issued.error is not None:
             raise issued.error
         return len(device_ids) * self.layout.host_block_bytes
 
-    def _track(self, delta: int) -> None:
+    def _track(self, direction: Direction, delta: int) -> None:
         with self._inflight_lock:
-            self._inflight += delta
+            self._inflight[direction] += delta
 
     def _issue(
         self, lane: Lane, to_host: bool, device_ids: Sequence[int], host_ids: Sequence[int], cancel: CancelToken
@@ -186,30 +217,55 @@ class CudaDeviceCache(DeviceCache):
     def _steps(
         self, lane: Lane, to_host: bool, device_ids: Sequence[int], host_ids: Sequence[int]
     ) -> Iterator[Callable[[], None]]:
-        hb = self.layout.host_block_bytes
+        hb, cfg = self.layout.host_block_bytes, self.backend.config
         runs = split_runs(coalesce(device_ids, host_ids), hb, self.pin_boundary)
-        calls = dma_calls(runs, self.geometry) if lane.memcpy is not None else 0
-        cfg = self.backend.config
-        method = choose_method(cfg.copy_method, calls, len(device_ids) * hb, cfg.staging_below, lane.memcpy is not None)
+        method = self.method_for(to_host, runs, len(device_ids) * hb)
         self.methods[method] += 1
         if method == "dma" and lane.memcpy is not None:
             for batch in batches(iter_dma(to_host, runs, self.geometry), cfg.batch_bytes):
                 yield partial(_enqueue_copies, lane.memcpy, batch, lane.handle)
             return
-        stager = self.stager
-        assert stager is not None, "swap after close"
-        move = stager.to_host if to_host else stager.to_device
+        mover = self.mover
+        if method == "kernel" and mover is not None:
+            for part in split_pairs(len(device_ids), hb, cfg.batch_bytes):
+                yield partial(
+                    mover.direct, to_host, device_ids[part.start : part.stop], host_ids[part.start : part.stop]
+                )
+            return
+        move = self._staged_move(to_host)
         for staged in plan_staging(device_ids, host_ids, max(1, cfg.batch_bytes // hb), hb, self.pin_boundary):
             yield partial(move, staged)
 
+    def method_for(self, to_host: bool, runs: Sequence[Run], total_bytes: int) -> str:
+        """The copy method for one swap (cuda_copy.choose_method with this cache's shape)."""
+        cfg = self.backend.config
+        other = Direction.H2D if to_host else Direction.D2H
+        dma = self.engines.dma
+        shape = SwapShape(
+            total_bytes=total_bytes,
+            dma_calls=dma_calls(runs, self.geometry) if dma else 0,
+            dma_rows=dma_rows(runs, self.geometry) if dma else 0,
+            other_busy=self._inflight[other] > 0,
+        )
+        return choose_method(cfg.copy_method, shape, self.engines, self.backend.rule)
+
+    def _staged_move(self, to_host: bool) -> Callable[[StagingBatch], None]:
+        """Staging through the piece kernel where there is one, else torch's index ops."""
+        if self.mover is not None:
+            return self.mover.gather if to_host else self.mover.scatter
+        stager = self.stager
+        assert stager is not None, "swap after close"
+        return stager.to_host if to_host else stager.to_device
+
     def close(self) -> None:
-        if self._inflight:
+        if self._busy:
             # The daemon drains swaps before close(); if one is still running, its copies
             # must finish before the memory goes back, even at the price of a wait here.
-            log.error("closing the device cache with %d swaps in flight: waiting for their copies", self._inflight)
+            log.error("closing the device cache with %d swaps in flight: waiting for their copies", self._busy)
             for lane in self.lanes.values():
                 lane.stream.synchronize()
         self.stager = None
+        self.mover = None
         self.tensors = []
         torch.cuda.ipc_collect()
         if self.mappings:
@@ -225,23 +281,43 @@ class CudaBackend(Backend):
     name = "cuda"
 
     def __init__(self, config: CudaConfig, rank: int) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("cuda backend: torch sees no CUDA device (check the driver and CUDA_VISIBLE_DEVICES)")
         self.config = config
-        self.uuids = visible_uuids()
-        self.device_index = resolve_device(config.device, rank, self.uuids)
-        self.device_uuid = self.uuids[self.device_index]
-        self.device = torch.device("cuda", self.device_index)
-        self.device_name = torch.cuda.get_device_name(self.device_index)
-        self.memcpy = load_memcpy(config.memcpy_api)
-        self.max_pitch = self.memcpy.max_pitch(self.device_index) if self.memcpy is not None else 0
         self.pools: list[PinnedHostPool] = []
         self._lanes: dict[Direction, Lane] | None = None
         self._lanes_lock = threading.Lock()
+        self._kernel: Callable[..., Any] | bool | None = False  # False: not loaded yet
+        self.grid = Grid(config.kernel_programs_d2h, config.kernel_programs_h2d)
+        self.rule = MethodRule(config.dma_min_bytes, config.staging_below)
+        self._open_device(rank)
         log.info(
             "cuda backend on device %d (%s, %s), memcpy via %s",
             self.device_index, self.device_name, self.device_uuid, self.memcpy.name if self.memcpy else "torch",
         )  # fmt: skip
+
+    def _open_device(self, rank: int) -> None:
+        """The device probe: which GPU this daemon serves, and the bindings it copies with."""
+        if not torch.cuda.is_available():
+            raise RuntimeError("cuda backend: torch sees no CUDA device (check the driver and CUDA_VISIBLE_DEVICES)")
+        self.uuids = visible_uuids()
+        self.device_index = resolve_device(self.config.device, rank, self.uuids)
+        self.device_uuid = self.uuids[self.device_index]
+        self.device = torch.device("cuda", self.device_index)
+        self.device_name = torch.cuda.get_device_name(self.device_index)
+        self.memcpy: Memcpy | None = load_memcpy(self.config.memcpy_api)
+        self.max_pitch = self.memcpy.max_pitch(self.device_index) if self.memcpy is not None else 0
+        # Zero-copy kernels address the pinned pool by its host pointer: the device must allow
+        # that for registered memory (every GPU since Pascal on 64-bit Linux does; asked where
+        # a binding can ask, assumed otherwise).
+        self.zero_copy = self.memcpy.host_pointer_usable(self.device_index) if self.memcpy is not None else True
+
+    @property
+    def kernel(self) -> Callable[..., Any] | None:
+        """The piece kernel, loaded (Triton imported) on first use: at the first attach, off
+        the event loop. None where Triton is missing or ``copy_method = "dma"``."""
+        with self._lanes_lock:
+            if self._kernel is False:
+                self._kernel = None if self.config.copy_method == "dma" else cuda_kernel.load()
+            return self._kernel if callable(self._kernel) else None
 
     @property
     def lanes(self) -> dict[Direction, Lane]:
@@ -278,8 +354,12 @@ class CudaBackend(Backend):
             return None
 
     def import_device_cache(
-        self, layout: KVLayout, device: dict[str, Any], pool: HostPool, geometry: HostGeometry
+        self, layout: KVLayout, device: dict[str, Any], pool: HostPool, geometry: HostGeometry, requester: Requester
     ) -> DeviceCache:
+        # CUDA IPC handles are produced by the process that owns the memory (no file to
+        # check against the requester). Decoding needs no GPU: a malformed map is refused
+        # (BAD_FIELD) before any device work.
+        decode_handles(device)
         try:
             with torch.cuda.device(self.device_index):
                 storages, refs, opened = import_handles(
@@ -311,8 +391,16 @@ class CudaBackend(Backend):
             "device_name": self.device_name,
             "memcpy_api": self.memcpy.name if self.memcpy is not None else "torch",
             "copy_method": self.config.copy_method,
+            "kernel": self._kernel_state(),
             "pinning": [pool.describe_pinning() for pool in self.pools],
         }
+
+    def _kernel_state(self) -> str:
+        if self._kernel is False:
+            return "not loaded yet (first attach)"
+        if self._kernel is None:
+            return "off" if self.config.copy_method == "dma" else f"unavailable: {cuda_kernel.unavailable_reason()}"
+        return "triton" + ("" if self.zero_copy else " (staging only: no device access to registered host memory)")
 
     def close(self) -> None:
         if self._lanes is not None:

@@ -1,4 +1,5 @@
-"""Copy planning for the cuda backend: which DMA calls move a swap, or how it is staged.
+"""Copy planning for the cuda backend: which method moves a swap (``choose_method``), which
+DMA calls move it, or how it is staged.
 
 Pure Python on plain addresses (no torch, no CUDA), so the CPU tests can execute a plan
 with memmove and check every byte.
@@ -14,10 +15,13 @@ each device tensor is block-contiguous, so one cudaMemcpy2DAsync moves either
 whichever needs fewer calls. A runner that allocates its cache as one buffer (CudaKVCache
 does) is one group, so a scattered single block costs one call.
 
-Staging ("staging"): for many small scattered blocks, gather them on the device into a
-block-major staging buffer (one index kernel per group), then move whole host runs with
-plain copies; swap-in is the reverse. It spends SM time, so it is used only where direct
-DMA would issue many small calls (see choose_method).
+Staging ("staging"): gather the blocks on the device into a block-major staging buffer
+(one launch of the piece kernel over all layers, or without Triton one index kernel per
+group), then move whole host runs with plain copies; swap-in is the reverse. The copy
+engines carry the PCIe transfer, so it runs at full speed beside the other direction.
+
+Kernel ("kernel"): the piece kernel (cuda_pieces.py, cuda_kernel.py) moves pieces straight
+between device blocks and the pinned host pool (zero-copy), one launch per swap.
 
 Runs never cross a pinning-chunk boundary of the host pool: each chunk is its own
 cudaHostRegister range, and a copy that spans two ranges may be treated as pageable.
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 
 from .plan import Run, even_groups
 
-METHODS = ("auto", "dma", "staging")
+METHODS = ("auto", "dma", "staging", "kernel")
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,21 @@ def plan_dma(to_host: bool, runs: Sequence[Run], geo: DmaGeometry) -> list[Copy2
     return list(iter_dma(to_host, runs, geo))
 
 
+def dma_rows(runs: Sequence[Run], geo: DmaGeometry) -> int:
+    """How many contiguous rows the DMA engines move for iter_dma's calls (a 2D call of
+    height h whose rows are not adjacent on both sides is h rows): the bytes per row decide
+    how close to the link's speed DMA gets."""
+    chunk, hb = geo.chunk, geo.host_block_bytes
+    total = 0
+    for run in runs:
+        for _, count, stride in even_groups(geo.tensor_addrs):
+            if count <= run.length or stride > geo.max_pitch:
+                total += count * (1 if run.length == 1 or hb == chunk else run.length)
+            else:
+                total += run.length * (1 if count == 1 or stride == chunk else count)
+    return total
+
+
 def dma_calls(runs: Sequence[Run], geo: DmaGeometry) -> int:
     """How many calls iter_dma issues, without building them (pitch splits not counted)."""
     groups = even_groups(geo.tensor_addrs)
@@ -161,15 +180,68 @@ def plan_staging(
     return out
 
 
-def choose_method(setting: str, dma_calls: int, total_bytes: int, staging_below: int, can_dma: bool) -> str:
-    """'dma' or 'staging'. ``auto`` stages only when direct DMA would average fewer than
-    ``staging_below`` bytes per call (many small scattered chunks); without a 2D memcpy
-    binding everything is staged."""
-    if not can_dma:
+@dataclass(frozen=True)
+class SwapShape:
+    """What the ``auto`` rule looks at, for one swap in one direction."""
+
+    total_bytes: int
+    dma_calls: int  # calls the dma method would issue
+    dma_rows: int  # contiguous rows those calls move
+    other_busy: bool  # the other direction has swaps in flight
+
+    @property
+    def row_bytes(self) -> int:
+        """Average contiguous bytes per DMA row."""
+        return self.total_bytes // max(1, self.dma_rows)
+
+
+@dataclass(frozen=True)
+class Engines:
+    """What this backend can copy with."""
+
+    dma: bool  # a 2D memcpy binding (cuda-python or ctypes)
+    kernel: bool  # the piece kernel (Triton, and device access to the pinned pool)
+
+
+@dataclass(frozen=True)
+class MethodRule:
+    """The ``auto`` rule's thresholds (settings cuda.dma_min_bytes and cuda.staging_below)."""
+
+    dma_min_bytes: int = 256 << 10
+    staging_below: int = 64 << 10
+
+
+def available(method: str, engines: Engines) -> str:
+    """``method`` where this backend has it, else what stands in for it: staging (which
+    needs neither Triton nor a 2D binding: it falls back to torch's index ops)."""
+    if method == "kernel" and not engines.kernel:
         return "staging"
-    if setting in ("dma", "staging"):
-        return setting
-    return "staging" if total_bytes < staging_below * max(1, dma_calls) else "dma"
+    if method == "dma" and not engines.dma:
+        return "staging"
+    return method
+
+
+def choose_method(setting: str, shape: SwapShape, engines: Engines, rule: MethodRule) -> str:
+    """'dma', 'staging' or 'kernel' for one swap (docs/cuda.md, "Copy methods").
+
+    ``auto``:
+    1. DMA when its rows average at least ``dma_min_bytes`` (large contiguous runs: the
+       copy engines reach the link's speed without using an SM);
+    2. else, with the kernel: staging when the other direction is busy (two zero-copy
+       kernels do not give full duplex; a gather plus one DMA per host run does), the
+       zero-copy kernel when this direction has the link to itself;
+    3. else (no Triton): staging (torch index ops) when DMA would average fewer than
+       ``staging_below`` bytes per call, else DMA.
+    """
+    if setting != "auto":
+        return available(setting, engines)
+    if engines.dma and shape.row_bytes >= rule.dma_min_bytes:
+        return "dma"
+    if engines.kernel:
+        return "staging" if shape.other_busy else "kernel"
+    if not engines.dma or shape.total_bytes < rule.staging_below * max(1, shape.dma_calls):
+        return "staging"
+    return "dma"
 
 
 def element_size(values: Sequence[int]) -> int:

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every context, not only the caller's
+HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: kernels may address it (zero-copy copy kernel)
 _MPOL_PREFERRED = 1
 _SYS_MBIND = {"x86_64": 237, "aarch64": 235}
 
@@ -348,7 +349,7 @@ def try_bind_memory(address: int, length: int, node: int) -> str | None:
 class CudartRegistrar:
     """cudaHostRegister / cudaHostUnregister through torch.cuda.cudart() (no cuda-python)."""
 
-    def __init__(self, device_index: int, flags: int = HOST_REGISTER_PORTABLE) -> None:
+    def __init__(self, device_index: int, flags: int = HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED) -> None:
         self.device_index = device_index
         self.flags = flags
 

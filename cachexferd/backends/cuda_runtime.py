@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 MEMCPY_APIS = ("auto", "cuda-python", "ctypes", "torch")
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the (UVA) pointers
 _ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch
+_ATTR_HOST_POINTER = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 
 
 class Memcpy(Protocol):
@@ -40,6 +41,8 @@ class Memcpy(Protocol):
     def copy(self, c: Copy2D, stream: int) -> None: ...
 
     def max_pitch(self, index: int) -> int: ...
+
+    def host_pointer_usable(self, index: int) -> bool: ...
 
     def pci_bus_id(self, index: int) -> str: ...
 
@@ -76,6 +79,12 @@ class CudaPythonMemcpy:
         err, value = self.rt.cudaDeviceGetAttribute(self.rt.cudaDeviceAttr.cudaDevAttrMaxPitch, index)
         self._check(err, "cudaDeviceGetAttribute(MaxPitch)")
         return int(value)
+
+    def host_pointer_usable(self, index: int) -> bool:
+        attr = self.rt.cudaDeviceAttr.cudaDevAttrCanUseHostPointerForRegisteredMem
+        err, value = self.rt.cudaDeviceGetAttribute(attr, index)
+        self._check(err, "cudaDeviceGetAttribute(CanUseHostPointerForRegisteredMem)")
+        return bool(value)
 
     def pci_bus_id(self, index: int) -> str:
         err, text = self.rt.cudaDeviceGetPCIBusId(32, index)
@@ -137,6 +146,12 @@ class CtypesMemcpy:
         value = ctypes.c_int(0)
         self._check(self._attr(ctypes.byref(value), _ATTR_MAX_PITCH, index), "cudaDeviceGetAttribute(MaxPitch)")
         return value.value
+
+    def host_pointer_usable(self, index: int) -> bool:
+        value = ctypes.c_int(0)
+        what = "cudaDeviceGetAttribute(CanUseHostPointerForRegisteredMem)"
+        self._check(self._attr(ctypes.byref(value), _ATTR_HOST_POINTER, index), what)
+        return bool(value.value)
 
     def pci_bus_id(self, index: int) -> str:
         buf = ctypes.create_string_buffer(32)

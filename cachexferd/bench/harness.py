@@ -3,13 +3,17 @@ contiguous copy of the same bytes that each measurement is compared with."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import platform
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.base import Backend, DeviceCache
 from ..host_cache import HostPool
 from ..protocol import KVLayout
+from ..security import Requester
 
 
 @dataclass
@@ -20,6 +24,20 @@ class Kit:
     raw_src: Any
     raw_dst: Any
     owned: list[Any] = field(default_factory=list)  # runner-side objects to close
+
+    def set_method(self, method: str) -> None:
+        """cuda: the copy method the next swaps use (cuda.copy_method, read at every swap)."""
+        config = getattr(self.backend, "config", None)
+        if config is not None and hasattr(config, "copy_method"):
+            self.backend.config = dataclasses.replace(config, copy_method=method)  # type: ignore[attr-defined]
+
+    def warm_raw(self, seconds: float = 0.3) -> None:
+        """Runs the raw reference copies for a while first: a cold link (power states, clocks,
+        first touches) reads several times slower than a warm one."""
+        for direction in ("d2h", "h2d", "both"):
+            deadline = time.perf_counter() + seconds
+            while time.perf_counter() < deadline:
+                self.raw_copy(len(self.raw_src), direction)
 
     def raw_copy(self, nbytes: int, direction: str) -> None:
         import torch
@@ -60,7 +78,7 @@ def _cpu_kit(layout: KVLayout, host_blocks: int, threads: int) -> Kit:
     for tensor in cache.tensors:
         tensor.view(torch.uint8).fill_(7)  # fault the pages in outside the timed region
     geometry = pool.geometry(layout.host_block_bytes)
-    device = backend.import_device_cache(layout, cache.device_handle(), pool, geometry)
+    device = backend.import_device_cache(layout, cache.device_handle(), pool, geometry, Requester())
     nbytes = host_blocks * layout.host_block_bytes
     src = torch.full((nbytes,), 3, dtype=torch.uint8)
     dst = torch.empty_like(src).fill_(0)
@@ -68,7 +86,7 @@ def _cpu_kit(layout: KVLayout, host_blocks: int, threads: int) -> Kit:
 
 
 def _cuda_kit(layout: KVLayout, host_blocks: int) -> Kit:
-    """Unverified without a GPU: see docs/cuda.md, 'GPU validation pending'."""
+    """Pinned pool and device cache of this process (no IPC); raw references warmed."""
     import torch
 
     from ..backends import load_backend
@@ -87,7 +105,7 @@ def _cuda_kit(layout: KVLayout, host_blocks: int) -> Kit:
     geometry = pool.geometry(layout.host_block_bytes)
     device = backend.local_device_cache(layout, cache.tensors, pool, geometry)
     nbytes = host_blocks * layout.host_block_bytes
-    return Kit(
+    kit = Kit(
         backend,
         pool,
         device,
@@ -95,6 +113,8 @@ def _cuda_kit(layout: KVLayout, host_blocks: int) -> Kit:
         torch.empty(nbytes, dtype=torch.uint8, device=backend.device),
         [cache],
     )
+    kit.warm_raw()
+    return kit
 
 
 def _cuda_raw_copy(kit: Kit, nbytes: int, direction: str) -> None:
@@ -113,6 +133,22 @@ def _cuda_raw_copy(kit: Kit, nbytes: int, direction: str) -> None:
     else:
         dev.copy_(host, non_blocking=True)
     torch.cuda.synchronize()
+
+
+def versions(backend_name: str) -> dict[str, Any]:
+    """What a reader needs to compare runs: torch, and for cuda the CUDA and driver versions."""
+    import torch
+
+    info: dict[str, Any] = {"torch": torch.__version__, "python_impl": platform.python_implementation()}
+    if backend_name == "cuda":
+        info["cuda"] = torch.version.cuda
+        try:
+            import triton
+
+            info["triton"] = triton.__version__
+        except ImportError:
+            info["triton"] = None
+    return info
 
 
 def device_name(backend_name: str) -> str:

@@ -1,10 +1,16 @@
 """``cachexferd bench swap``: swap throughput against a raw contiguous copy of the same bytes.
 
-For every (direction, block size, block count, id pattern) the benchmark measures, in the
-same process and back to back, the backend's swap of those blocks and one raw contiguous
-copy of the same number of bytes (cpu: torch ``copy_`` between two host tensors using all
-cores; cuda: one pinned host <-> device copy). Ratios, not absolute numbers, are what
-compare across the shared, noisy machines this runs on.
+For every (direction, block size, block count, id pattern, copy method) the benchmark
+measures, in the same process and back to back, the backend's swap of those blocks and one
+raw contiguous copy of the same number of bytes (cpu: torch ``copy_`` between two host
+tensors using all cores; cuda: one pinned host <-> device copy, warmed before the first
+case). Ratios, not absolute numbers, are what compare across the shared, noisy machines
+this runs on.
+
+A host block is ``layers x 2`` pieces (one layer's K or V of one block). ``--pieces`` sizes
+the blocks by their piece instead of ``--sizes``; ``--preset vllm`` is the set of shapes
+vLLM's caches have (pieces of 4, 16 and 32 KiB; 1, 16, 128 and 1024 scattered blocks; each
+direction and both at once; every cuda copy method), a single block of 1-2 MiB included.
 """
 
 from __future__ import annotations
@@ -27,6 +33,18 @@ from ..protocol import KVLayout
 
 DEFAULT_SIZES = "16KiB,64KiB,128KiB,256KiB,1MiB,4MiB"
 DEFAULT_COUNTS = "1,16,128,1024"
+CUDA_METHODS = ("auto", "dma", "staging", "kernel")
+# --preset vllm: what it sets (flags given explicitly still win).
+PRESETS = {
+    "vllm": {
+        "pieces": "4KiB,16KiB,32KiB",
+        "counts": "1,16,128,1024",
+        "patterns": "scattered",
+        "directions": "d2h,h2d,both",
+        "layers": 32,
+        "methods": ",".join(CUDA_METHODS),
+    },
+}
 
 
 @dataclass
@@ -37,6 +55,8 @@ class Row:
     pattern: str  # contiguous, scattered
     swap_gbps: float
     raw_gbps: float
+    method: str = "-"  # cuda: the cuda.copy_method setting the swap ran with
+    piece_bytes: int = 0  # one layer's K or V of one block
 
     @property
     def ratio(self) -> float:
@@ -45,17 +65,42 @@ class Row:
 
 def add_swap_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--sizes", default=DEFAULT_SIZES, help="host block sizes, comma-separated")
-    p.add_argument("--counts", default=DEFAULT_COUNTS, help="blocks per swap, comma-separated")
-    p.add_argument("--patterns", default="contiguous,scattered")
-    p.add_argument("--directions", default="d2h,h2d,both")
-    p.add_argument("--layers", type=int, default=32, help="layers (x2 tensors) a host block is split into")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a set of shapes (vllm: vLLM's pieces and counts)")
+    p.add_argument("--sizes", default=None, help=f"host block sizes, comma-separated (default {DEFAULT_SIZES})")
+    p.add_argument("--pieces", default=None, help="piece sizes instead of --sizes (block = piece x layers x 2)")
+    p.add_argument("--counts", default=None, help=f"blocks per swap, comma-separated (default {DEFAULT_COUNTS})")
+    p.add_argument("--patterns", default=None, help="contiguous,scattered (default both)")
+    p.add_argument("--directions", default=None, help="d2h,h2d,both (default all)")
+    p.add_argument("--methods", default=None, help="cuda copy methods to compare: auto,dma,staging,kernel")
+    p.add_argument("--layers", type=int, default=None, help="layers (x2 tensors) a host block is split into (32)")
     p.add_argument("--max-bytes", default="512MiB", help="skip cases moving more than this per swap")
     p.add_argument("--min-time", type=float, default=0.2, help="seconds to repeat each measurement for")
     p.add_argument("--threads", type=int, default=2, help="cpu copy workers per direction")
     p.add_argument("--json", help="write the rows (and machine info) to this file")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
+
+
+def apply_preset(args: argparse.Namespace) -> None:
+    """Fills the options left unset from --preset, then from the defaults."""
+    defaults: dict[str, Any] = {"counts": DEFAULT_COUNTS, "patterns": "contiguous,scattered",
+                                "directions": "d2h,h2d,both", "layers": 32, "methods": "auto"}  # fmt: skip
+    preset = PRESETS.get(args.preset or "", {})
+    for name, value in {**defaults, **preset}.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if args.sizes is None and args.pieces is None:
+        args.sizes = DEFAULT_SIZES
+
+
+def methods_for(args: argparse.Namespace) -> list[str]:
+    if args.backend != "cuda":
+        return ["-"]
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = set(methods) - set(CUDA_METHODS)
+    if unknown:
+        raise SystemExit(f"--methods: unknown {sorted(unknown)}; choose from {list(CUDA_METHODS)}")
+    return methods
 
 
 def layout_for(block_bytes: int, layers: int, num_blocks: int) -> KVLayout:
@@ -119,9 +164,13 @@ class SwapHarness:
         self.loop.close()
 
 
-def measure_case(h: SwapHarness, direction: str, pattern: str, count: int, rng: random.Random) -> tuple[float, float]:
+def measure_case(
+    h: SwapHarness, direction: str, pattern: str, count: int, rng: random.Random, method: str = "-"
+) -> tuple[float, float]:
     from ..backends.base import CancelToken, Direction
 
+    if method != "-":
+        h.kit.set_method(method)
     dev, host = ids_for(pattern, count, rng)
     token = CancelToken()
     swap = h.kit.device.swap
@@ -144,28 +193,41 @@ def measure_case(h: SwapHarness, direction: str, pattern: str, count: int, rng: 
     return moved / swap_s / 1e9, moved / raw_s / 1e9
 
 
+def block_sizes(args: argparse.Namespace) -> list[int]:
+    if args.pieces:
+        return [parse_size(p) * args.layers * 2 for p in args.pieces.split(",")]
+    return [parse_size(s) for s in args.sizes.split(",")]
+
+
 def cases(args: argparse.Namespace) -> Iterator[tuple[int, int]]:
     limit = parse_size(args.max_bytes)
-    for size in (parse_size(s) for s in args.sizes.split(",")):
+    for size in block_sizes(args):
         for count in (int(c) for c in args.counts.split(",")):
             if size * count <= limit:
                 yield size, count
 
 
 def run(args: argparse.Namespace) -> int:
+    apply_preset(args)
     rng = random.Random(args.seed)
+    methods = methods_for(args)
     rows: list[Row] = []
     print(header(args), flush=True)
-    print(f"{'dir':5} {'block':>8} {'count':>6} {'pattern':11} {'swap GB/s':>10} {'raw GB/s':>9} {'ratio':>6}")
+    print(
+        f"{'dir':5} {'block':>8} {'piece':>7} {'count':>6} {'pattern':11} {'method':8} "
+        f"{'swap GB/s':>10} {'raw GB/s':>9} {'ratio':>6}"
+    )
     for size, count in cases(args):
         harness = SwapHarness(args, size, count)
         try:
             for direction in args.directions.split(","):
                 for pattern in args.patterns.split(","):
-                    swap_gbps, raw_gbps = measure_case(harness, direction, pattern, count, rng)
-                    row = Row(direction, size, count, pattern, swap_gbps, raw_gbps)
-                    rows.append(row)
-                    print(format_row(row), flush=True)
+                    for method in methods:
+                        swap_gbps, raw_gbps = measure_case(harness, direction, pattern, count, rng, method)
+                        piece = harness.layout.chunk_bytes
+                        row = Row(direction, size, count, pattern, swap_gbps, raw_gbps, method, piece)
+                        rows.append(row)
+                        print(format_row(row), flush=True)
         finally:
             harness.close()
     print(summary(rows))
@@ -175,23 +237,32 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 10}KiB" if nbytes < 1 << 20 else f"{nbytes >> 20}MiB"
+
+
 def format_row(row: Row) -> str:
-    size = f"{row.block_bytes >> 10}KiB" if row.block_bytes < 1 << 20 else f"{row.block_bytes >> 20}MiB"
     return (
-        f"{row.direction:5} {size:>8} {row.blocks:>6} {row.pattern:11} "
-        f"{row.swap_gbps:>10.2f} {row.raw_gbps:>9.2f} {row.ratio:>6.0%}"
+        f"{row.direction:5} {_size(row.block_bytes):>8} {_size(row.piece_bytes):>7} {row.blocks:>6} "
+        f"{row.pattern:11} {row.method:8} {row.swap_gbps:>10.2f} {row.raw_gbps:>9.2f} {row.ratio:>6.0%}"
     )
 
 
 def summary(rows: list[Row]) -> str:
-    big = [r for r in rows if r.block_bytes >= 128 << 10 and r.direction != "both" and r.blocks >= 16]
-    if not big:
-        return "no rows with blocks >= 128 KiB and >= 16 blocks"
-    ratios = [r.ratio for r in big]
-    return (
-        f"blocks >= 128 KiB, >= 16 per swap, one direction: ratio to raw min {min(ratios):.0%}, "
-        f"median {statistics.median(ratios):.0%}, max {max(ratios):.0%} over {len(big)} cases"
-    )
+    lines = []
+    for method in dict.fromkeys(r.method for r in rows):
+        big = [r for r in rows if r.method == method and r.direction != "both" and r.blocks >= 16]
+        big = [r for r in big if r.block_bytes >= 128 << 10]
+        label = "" if method == "-" else f"method {method}: "
+        if not big:
+            lines.append(f"{label}no rows with blocks >= 128 KiB and >= 16 blocks")
+            continue
+        ratios = [r.ratio for r in big]
+        lines.append(
+            f"{label}blocks >= 128 KiB, >= 16 per swap, one direction: ratio to raw min {min(ratios):.0%}, "
+            f"median {statistics.median(ratios):.0%}, max {max(ratios):.0%} over {len(big)} cases"
+        )
+    return "\n".join(lines) or "no rows"
 
 
 def machine(args: argparse.Namespace) -> dict[str, Any]:
@@ -205,13 +276,16 @@ def machine(args: argparse.Namespace) -> dict[str, Any]:
         "platform": platform.platform(),
         "layers": args.layers,
         "threads": args.threads,
+        "load_average": list(os.getloadavg()),
+        **harness.versions(args.backend),
         "command": " ".join(sys.argv),
     }
 
 
 def header(args: argparse.Namespace) -> str:
     info = machine(args)
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     return (
-        f"cachexferd bench swap: backend {info['backend']} on {info['device']} ({info['cpus']} cpus); "
+        f"cachexferd bench swap: backend {info['backend']} on {info['device']} ({info['cpus']} cpus, load {load}); "
         f"host block = {args.layers} layers x 2 tensors; raw = one contiguous copy of the same bytes"
     )

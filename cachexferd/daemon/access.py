@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import stat
@@ -26,9 +25,9 @@ import zmq
 
 from ..protocol import Attach, MsgType
 from ..security import (
-    POLICY_FIELD,
     AccessError,
     Peer,
+    Requester,
     SegmentPolicy,
     curve_enabled,
     exposure_warnings,
@@ -48,6 +47,7 @@ _MAX_PEERS = 4096  # identities remembered; an evicted one is read again from it
 _REFRESH_TYPES = frozenset({MsgType.HELLO, MsgType.ATTACH, MsgType.BATCH})  # re-read the peer on these
 _REFUSAL_LOG_S = 60.0  # a refused CURVE key is logged at most this often (clients retry every second)
 AttachHandler = Callable[[bytes, Attach], Any]
+AttachWithRequester = Callable[[bytes, Attach, Requester], Any]
 
 
 class AccessControl:
@@ -124,13 +124,18 @@ class AccessControl:
 
     # Attach -----------------------------------------------------------------------------
 
-    def guard_attach(self, handler: AttachHandler) -> AttachHandler:
-        """Wraps the ATTACH handler: the request carries the asking peer's SegmentPolicy to
-        the backend (replacing anything a client sent under that key)."""
+    def requester(self, identity: bytes) -> Requester:
+        """The daemon's view of the client behind ``identity``: its kernel credentials (ipc)
+        and the segments it may have the daemon map."""
+        peer = self.peers.get(identity)
+        return Requester(peer, SegmentPolicy(peer, os.geteuid(), self.gid))
+
+    def guard_attach(self, handler: AttachWithRequester) -> AttachHandler:
+        """The ATTACH handler, given the asking peer as an argument beside the command: the
+        command itself (its ``device`` map above all) reaches the backend as the client sent it."""
 
         def attach(identity: bytes, cmd: Attach) -> Any:
-            policy = SegmentPolicy(self.peers.get(identity), os.geteuid(), self.gid)
-            return handler(identity, dataclasses.replace(cmd, device={**cmd.device, POLICY_FIELD: policy}))
+            return handler(identity, cmd, self.requester(identity))
 
         return attach
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..backends.base import AttachError, Backend, DeviceCache
 from ..host_cache import HostGeometry
 from ..protocol import ErrorCode, KVLayout, LayoutError, ProtocolError
+from ..security import Requester
 from .pidwatch import PidWatch
 
 if TYPE_CHECKING:
@@ -61,16 +62,19 @@ class DeviceSlot:
             raise ProtocolError(ErrorCode.NOT_ATTACHED, f"no device cache attached (state {self.state.value})")
         return self.cache
 
-    def attach(self, layout_wire: dict[str, Any], device: dict[str, Any], pid: int | None) -> Awaitable[dict[str, Any]]:
+    def attach(
+        self, layout_wire: dict[str, Any], device: dict[str, Any], pid: int | None, requester: Requester
+    ) -> Awaitable[dict[str, Any]]:
         """Checks the request now (state, layout, host fit) and returns the import to await.
-        A failed attach changes nothing: the host geometry is bound only on success."""
+        A failed attach changes nothing: the host geometry is bound only on success.
+        ``device`` goes to the backend as the client sent it; ``requester`` beside it."""
         try:
             layout, geometry = self._check_attach(layout_wire)
         except ProtocolError as exc:
             log.info("attach refused (runner pid %s): %s: %s", pid, exc.code.name, exc.detail)
             raise
         self.state = DeviceState.ATTACHING
-        return self._import(layout, geometry, device, pid)
+        return self._import(layout, geometry, device, pid, requester)
 
     def _check_attach(self, layout_wire: dict[str, Any]) -> tuple[KVLayout, HostGeometry]:
         if self.state is not DeviceState.DETACHED:
@@ -83,12 +87,12 @@ class DeviceSlot:
         return layout, self.host.plan(layout)
 
     async def _import(
-        self, layout: KVLayout, geometry: HostGeometry, device: dict[str, Any], pid: int | None
+        self, layout: KVLayout, geometry: HostGeometry, device: dict[str, Any], pid: int | None, requester: Requester
     ) -> dict[str, Any]:
         try:
             loop = asyncio.get_running_loop()
             import_cache, pool = self.backend.import_device_cache, self.host.pool
-            self.cache = await loop.run_in_executor(None, import_cache, layout, device, pool, geometry)
+            self.cache = await loop.run_in_executor(None, import_cache, layout, device, pool, geometry, requester)
         except AttachError as exc:
             self.state = DeviceState.DETACHED
             log.info("attach refused (runner pid %s): %s: %s", pid, exc.code.name, exc)
@@ -153,12 +157,14 @@ class DeviceSlot:
         if pending:
             await asyncio.wait(pending)  # cancelled copies stop at their next checkpoint
         self._unwatch()
+        # The flag goes with the cache it was raised for, whatever happens below: a later
+        # runner's detach must never remove that runner's memory.
         cache, self.cache = self.cache, None
+        orphaned, self._owner_gone = self._owner_gone, False
         if cache is not None:  # closing may sync streams or collect garbage: off the loop
             await asyncio.get_running_loop().run_in_executor(None, cache.close)
-            if self._owner_gone:
-                cache.orphaned()
-        self._owner_gone = False
+            if orphaned:
+                _remove_orphaned(cache)
         # A copy cancelled mid-way may still have finished: count outcomes, not requests.
         cancelled = sum(1 for e in entries if e.code == ErrorCode.DETACHED)
         log.info("detached: drained %d, cancelled %d", len(entries) - cancelled, cancelled)
@@ -197,5 +203,18 @@ class DeviceSlot:
         return info
 
 
+def _remove_orphaned(cache: DeviceCache) -> None:
+    """What only the dead runner would have removed; a failure is logged, never raised (the
+    detach itself has succeeded: the memory is unmapped)."""
+    try:
+        cache.orphaned()
+    except Exception:
+        log.exception("could not remove what the dead runner left behind")
+
+
 async def _awaited(awaitable: Awaitable[Any]) -> None:
-    await awaitable
+    """An automatic detach, run as a task nobody awaits: its failure is logged here."""
+    try:
+        await awaitable
+    except Exception:
+        log.exception("automatic detach failed")

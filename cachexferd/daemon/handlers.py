@@ -35,6 +35,7 @@ from ..protocol import (
     SwapIn,
     SwapOut,
 )
+from ..security import Requester
 from . import validate
 from .device import DeviceSlot
 from .jobs import Copy, Job
@@ -106,8 +107,11 @@ class Handlers(StorageHandlers):
     def handle_status(self, identity: bytes, cmd: Command) -> dict[str, Any]:
         return self._status()
 
-    def handle_attach(self, identity: bytes, cmd: Attach) -> Awaitable[dict[str, Any]]:
-        return self.device.attach(cmd.layout, cmd.device, cmd.pid)
+    def handle_attach(
+        self, identity: bytes, cmd: Attach, requester: Requester | None = None
+    ) -> Awaitable[dict[str, Any]]:
+        """``requester``: the access guard's view of the asking peer (the strictest one without)."""
+        return self.device.attach(cmd.layout, cmd.device, cmd.pid, requester or Requester())
 
     def handle_detach(self, identity: bytes, cmd: Detach) -> Awaitable[dict[str, Any]]:
         timeout = self.config.daemon.drain_timeout_s if cmd.drain_timeout_s is None else cmd.drain_timeout_s

@@ -117,7 +117,7 @@ class Daemon:
             config, self.device, self.host, self.storage, self.sessions, self.metrics, self.status, self.request_stop,
             self.pausing,
         )  # fmt: skip
-        handlers.sync[MsgType.ATTACH] = self.access.guard_attach(handlers.sync[MsgType.ATTACH])
+        handlers.sync[MsgType.ATTACH] = self.access.guard_attach(handlers.handle_attach)
         self.jobs = Jobs(self.ordering, self.metrics, self._job_done)
         self.dispatcher = Dispatcher(
             handlers, self.jobs, self.outcomes, self.sessions, config.daemon.max_inflight, self._admit, self.spawn

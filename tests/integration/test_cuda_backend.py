@@ -1,7 +1,9 @@
 """The cuda backend on a real GPU (skipped without one).
 
 Two tiers: in-process swaps through ``CudaBackend.local_device_cache`` (checks the host
-bytes directly, every dtype, both copy methods, both tensor placements), and a real daemon
+bytes directly, every dtype, every copy method, K/V as two tensors per layer in one buffer
+or in separate allocations, or K|V in one page per layer; one direction and both at once),
+and a real daemon
 subprocess importing this process's cache over CUDA IPC (pipelined ordering, 1000
 attach/detach cycles without leaks, detach with copies in flight, refused attaches)."""
 
@@ -54,13 +56,19 @@ def ids_for(pattern: str, n: int, seed: int, device_blocks: int, host_blocks: in
 # In-process: CudaBackend.local_device_cache -----------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["dma", "staging"])
+METHODS = ["dma", "staging", "kernel", "auto"]
+PLACEMENTS = {"one_buffer": (True, 2), "per_tensor": (False, 2), "kv_page": (True, 1)}
+
+
+@pytest.fixture(scope="module", params=METHODS)
 def local_backend(request: pytest.FixtureRequest) -> Iterator[Any]:
     from cachexferd.backends.cuda import CudaBackend
     from cachexferd.config import load_config
 
     config = load_config(overrides={"cuda.copy_method": request.param, "cuda.pin_chunk": "8MiB"}, environ={})
     backend = CudaBackend(config.cuda, rank=0)
+    if request.param in ("kernel", "auto"):
+        assert backend.kernel is not None, "Triton did not load: the kernel method would not be tested"
     yield backend
     backend.close()
 
@@ -76,12 +84,13 @@ def _swap(cache: Any, direction: Any, device_ids: list[int], host_ids: list[int]
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPE_BYTES))
-@pytest.mark.parametrize("one_allocation", [True, False], ids=["one_buffer", "per_tensor"])
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
 @pytest.mark.parametrize("pattern", ["contiguous", "scattered"])
-def test_local_swaps_exact_host_bytes(local_backend: Any, dtype: str, one_allocation: bool, pattern: str) -> None:
+def test_local_swaps_exact_host_bytes(local_backend: Any, dtype: str, placement: str, pattern: str) -> None:
     from cachexferd.backends.base import Direction
 
-    layout = layout_for(dtype)
+    one_allocation, kv = PLACEMENTS[placement]
+    layout = layout_for(dtype, kv_tensors=kv)
     pool = local_backend.create_host_pool(32 * MIB)
     geometry = pool.geometry(layout.host_block_bytes)
     with CudaKVCache(layout, "cuda:0", one_allocation=one_allocation) as kv:
@@ -102,6 +111,9 @@ def test_local_swaps_exact_host_bytes(local_backend: Any, dtype: str, one_alloca
         _swap(cache, Direction.H2D, dst, host)
         assert_moved(kv, dst, before, src)
         assert_untouched(kv, before, dst)
+        expected = local_backend.config.copy_method
+        if expected != "auto":
+            assert cache.methods[expected] == 2, cache.methods
         cache.close()
     pool.close()
 
@@ -128,27 +140,43 @@ def test_local_swap_waits_for_pinning_and_honours_cancel(local_backend: Any) -> 
     pool.close()
 
 
-def test_local_both_directions_at_once(local_backend: Any) -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32"])
+@pytest.mark.parametrize("pattern", ["contiguous", "scattered"])
+def test_local_both_directions_at_once(local_backend: Any, dtype: str, pattern: str) -> None:
+    """Swap-out of some blocks while others are swapped in from different host blocks:
+    both exact, nothing else touched (auto takes staging for the direction that starts
+    second, so at least one goes through the copy engines)."""
     from cachexferd.backends.base import CancelToken, Direction
 
-    layout = layout_for("float16", num_blocks=512)
+    layout = layout_for(dtype, num_blocks=512)
     pool = local_backend.create_host_pool(64 * MIB)
     geometry = pool.geometry(layout.host_block_bytes)
+    blocks = pool.blocks(geometry, layout.num_tensors)
     with CudaKVCache(layout, "cuda:0") as kv:
         fill_random(kv, seed=4)
         cache = local_backend.local_device_cache(layout, kv.tensors, pool, geometry)
-        _swap(cache, Direction.D2H, list(range(256, 512)), list(range(256, 512)))
-        before = snapshot(kv)
+        out_dev, out_host = ids_for(pattern, 200, 1, 256, 256)
+        in_dev = [256 + d for d in ids_for(pattern, 200, 2, 256, 256)[0]]
+        in_host = [256 + h for h in ids_for(pattern, 200, 3, 256, 256)[1]]
+        gen = torch.Generator().manual_seed(9)
+        blocks[256:512].copy_(torch.randint(0, 256, tuple(blocks[256:512].shape), dtype=torch.uint8, generator=gen))
+        host_before, before = blocks.clone(), snapshot(kv)
 
         async def both() -> None:
-            out = cache.swap(Direction.D2H, list(range(0, 256)), list(range(0, 256)), CancelToken())
-            back = cache.swap(Direction.H2D, list(range(256, 512)), list(range(256, 512)), CancelToken())
+            out = cache.swap(Direction.D2H, out_dev, out_host, CancelToken())
+            back = cache.swap(Direction.H2D, in_dev, in_host, CancelToken())
             await asyncio.wait_for(asyncio.gather(out, back), 60)
 
         asyncio.run(both())
-        assert_untouched(kv, before, [])  # swap-in of what was swapped out: unchanged bytes
-        blocks = pool.blocks(geometry, layout.num_tensors)
-        assert torch.equal(blocks[:256, 0].reshape(-1), kv.tensors[0][:256].reshape(-1).view(torch.uint8).cpu())
+        for t in range(layout.num_tensors):
+            for d, h in zip(out_dev, out_host):
+                assert torch.equal(blocks[h, t], before[t][d].reshape(-1).cpu()), f"swap-out: tensor {t} block {d}"
+            for d, h in zip(in_dev, in_host):
+                assert torch.equal(kv.block_bytes(t, d).cpu(), host_before[h, t]), f"swap-in: tensor {t} block {d}"
+        assert_untouched(kv, before, in_dev)
+        keep = sorted(set(range(geometry.num_blocks)) - set(out_host))
+        assert torch.equal(blocks[keep], host_before[keep]), "a host block outside the swap-out changed"
+        print(f"{local_backend.config.copy_method}: swaps by method {cache.methods}")
         cache.close()
     pool.close()
 
@@ -183,7 +211,7 @@ def _ok(engine: EngineClient, *req_ids: int) -> None:
         assert done[req_id].ok, done[req_id].describe()
 
 
-@pytest.mark.parametrize("method", ["dma", "staging"])
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32"])
 def test_ipc_round_trip_exact(spawn_daemon: Spawn, engine_factory: Any, method: str, dtype: str) -> None:
     daemon = cuda_daemon(spawn_daemon, cuda__copy_method=method)

@@ -16,9 +16,14 @@ import torch
 from cachexferd.backends.cuda_copy import (
     Copy2D,
     DmaGeometry,
+    Engines,
+    MethodRule,
+    SwapShape,
+    available,
     batches,
     choose_method,
     dma_calls,
+    dma_rows,
     element_size,
     plan_dma,
     plan_staging,
@@ -189,15 +194,65 @@ def test_batches_bound_bytes_and_keep_order() -> None:
     assert list(batches(iter([]), 30)) == []
 
 
-def test_choose_method_rule() -> None:
-    kib = 1 << 10
-    assert (
-        choose_method("auto", dma_calls=10, total_bytes=10 * 256 * kib, staging_below=64 * kib, can_dma=True) == "dma"
-    )
-    assert choose_method("auto", 1000, 1000 * 16 * kib, 64 * kib, True) == "staging"
-    assert choose_method("dma", 1000, 1000, 64 * kib, True) == "dma"
-    assert choose_method("staging", 1, 1 << 30, 64 * kib, True) == "staging"
-    assert choose_method("dma", 1, 1 << 30, 64 * kib, False) == "staging"  # no 2D memcpy binding
+KIB = 1 << 10
+BOTH = Engines(dma=True, kernel=True)
+RULE = MethodRule(dma_min_bytes=256 * KIB, staging_below=64 * KIB)
+
+
+def shape(total: int, calls: int, rows: int, other_busy: bool = False) -> SwapShape:
+    return SwapShape(total_bytes=total, dma_calls=calls, dma_rows=rows, other_busy=other_busy)
+
+
+def test_auto_takes_dma_for_long_rows_the_kernel_for_small_pieces_and_staging_beside_the_other_direction() -> None:
+    big_rows = shape(64 << 20, 64, 64)  # 1 MiB rows: a vLLM packed block, or long contiguous runs
+    small_rows = shape(128 * 256 * KIB, 128, 128 * 64)  # 4 KiB pieces, 128 scattered blocks
+    assert choose_method("auto", big_rows, BOTH, RULE) == "dma"
+    assert choose_method("auto", small_rows, BOTH, RULE) == "kernel"
+    assert choose_method("auto", shape(128 * 256 * KIB, 128, 128 * 64, other_busy=True), BOTH, RULE) == "staging"
+    # The threshold is on the average row, whatever the number of calls.
+    assert choose_method("auto", shape(256 * KIB * 10, 1, 10), BOTH, RULE) == "dma"
+    assert choose_method("auto", shape(256 * KIB * 10 - 1, 1, 10), BOTH, RULE) == "kernel"
+
+
+def test_auto_without_triton_keeps_the_dma_and_staging_rule() -> None:
+    no_kernel = Engines(dma=True, kernel=False)
+    assert choose_method("auto", shape(10 * 256 * KIB, 10, 10 * 64), no_kernel, RULE) == "dma"  # 256 KiB a call
+    assert choose_method("auto", shape(1000 * 16 * KIB, 1000, 1000), no_kernel, RULE) == "staging"
+    assert choose_method("auto", shape(1 << 30, 1, 1), Engines(dma=False, kernel=False), RULE) == "staging"
+
+
+@pytest.mark.parametrize(
+    ("setting", "engines", "expected"),
+    [
+        ("dma", BOTH, "dma"),
+        ("staging", BOTH, "staging"),
+        ("kernel", BOTH, "kernel"),
+        ("kernel", Engines(dma=True, kernel=False), "staging"),  # no Triton: staging with torch index ops
+        ("dma", Engines(dma=False, kernel=True), "staging"),  # no 2D memcpy binding
+    ],
+)
+def test_fixed_methods_and_their_fallbacks(setting: str, engines: Engines, expected: str) -> None:
+    assert choose_method(setting, shape(1 << 20, 4, 4), engines, RULE) == expected
+    assert available(setting, engines) == expected
+
+
+@pytest.mark.parametrize("placement", ["one_buffer", "separate", "descending", "padded"])
+@pytest.mark.parametrize("pattern", ["contiguous", "scattered", "mixed"])
+def test_dma_rows_count_the_contiguous_rows_the_plan_moves(placement: str, pattern: str) -> None:
+    fx = Fixture(LAYOUT, placement, seed=3)
+    device_ids, host_ids = id_pattern(pattern, 12, seed=1)
+    runs = split_runs(coalesce(device_ids, host_ids), LAYOUT.host_block_bytes, 0)
+    copies = plan_dma(True, runs, fx.geometry())
+    rows = sum(1 if c.height == 1 or (c.dpitch == c.width and c.spitch == c.width) else c.height for c in copies)
+    assert dma_rows(runs, fx.geometry()) == rows
+
+
+def test_a_packed_single_tensor_cache_moves_whole_blocks_per_row() -> None:
+    """vLLM's block-outermost layouts hand one tensor whose block is every layer's page."""
+    packed = KVLayout(num_layers=1, num_blocks=24, block_size=1, num_kv_heads=1, head_dim=4096, dtype="uint8",
+                      kv_tensors=1)  # fmt: skip
+    geo = Fixture(packed, "one_buffer", seed=1).geometry()
+    assert dma_rows([Run(0, 0, 5), Run(9, 7, 1)], geo) == 2
 
 
 def test_plan_staging_batches_and_host_runs() -> None:

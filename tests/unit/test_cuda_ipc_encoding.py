@@ -8,19 +8,19 @@ import pytest
 import torch
 
 from cachexferd.backends.base import AttachError
-from cachexferd.backends.cuda_ipc import (
+from cachexferd.backends.cuda_ipc import ImportWatch, decode_handles, import_handles, resolve_device
+from cachexferd.client.cuda_runner import check_runner_tensors
+from cachexferd.protocol import Attach, ErrorCode, KVLayout, Limits, ProtocolError, decode_command, encode_command
+from cachexferd.protocol.cuda_ipc import (
     EVENT_HANDLE_BYTES,
     KIND,
-    ImportWatch,
     SharedStorage,
-    check_runner_tensors,
+    TensorRef,
     decode_storages,
     decode_tensors,
-    import_handles,
+    encode_device,
     normalize_uuid,
-    resolve_device,
 )
-from cachexferd.protocol import Attach, ErrorCode, KVLayout, Limits, decode_command, encode_command
 
 UUID = "GPU-0123abcd-4567-89ab-cdef-0123456789ab"
 OTHER_UUID = "GPU-ffffffff-4567-89ab-cdef-0123456789ab"
@@ -41,6 +41,12 @@ def storage(n: int, size: int = 1 << 20, handle: bytes | None = None, offset: in
 
 def device_map(storages: list[SharedStorage], tensors: list[list[int]], uuid: str = UUID) -> dict[str, Any]:
     return {"kind": KIND, "device_uuid": uuid, "storages": [s.to_wire() for s in storages], "tensors": tensors}
+
+
+def test_encode_device_is_the_documented_map() -> None:
+    refs = [TensorRef(0, 0), TensorRef(0, 4096)]
+    expected = device_map([storage(1)], [[0, 0], [0, 4096]])
+    assert encode_device(UUID.upper().removeprefix("GPU-"), [storage(1)], refs) == expected
 
 
 def one_buffer_map() -> dict[str, Any]:
@@ -106,7 +112,7 @@ def test_uuid_normalisation(text: str, expected: str) -> None:
 
 @pytest.mark.parametrize("bad", ["", "GPU-xyz", "0123abcd4567", 5, None, "GPU-0123abcd-4567-89ab-cdef-0123456789ab0"])
 def test_uuid_rejects_garbage(bad: Any) -> None:
-    with pytest.raises(AttachError) as info:
+    with pytest.raises(ProtocolError) as info:
         normalize_uuid(bad)
     assert info.value.code == ErrorCode.BAD_FIELD
 
@@ -141,9 +147,12 @@ def _mutate_storage(key: str, value: Any) -> dict[str, Any]:
     ],
 )
 def test_malformed_storages_are_refused(device: dict[str, Any]) -> None:
-    with pytest.raises(AttachError) as info:
+    with pytest.raises(ProtocolError) as info:
         decode_storages(device)
     assert info.value.code == ErrorCode.BAD_FIELD
+    with pytest.raises(AttachError) as refused:  # as the backend reports it
+        decode_handles(device)
+    assert refused.value.code == ErrorCode.BAD_FIELD and str(refused.value) == info.value.detail
 
 
 def test_event_may_be_empty_without_sync() -> None:
@@ -152,28 +161,28 @@ def test_event_may_be_empty_without_sync() -> None:
     _, storages = decode_storages(device)
     assert storages[0].event == b"" and not storages[0].event_sync
     device["storages"][0]["event_sync"] = True
-    with pytest.raises(AttachError):
+    with pytest.raises(ProtocolError):
         decode_storages(device)
 
 
 def test_repeated_ref_counter_is_refused() -> None:
     twice = storage(1)
-    with pytest.raises(AttachError, match="repeats a ref counter"):
+    with pytest.raises(ProtocolError, match="repeats a ref counter"):
         decode_storages(device_map([twice, twice], [[0, 0]] * LAYOUT.num_tensors))
 
 
 def test_not_a_map_is_refused() -> None:
-    with pytest.raises(AttachError):
+    with pytest.raises(ProtocolError):
         decode_storages(["cuda_ipc"])
 
 
 # Tensor placement -------------------------------------------------------------------------
 
 
-def _tensors_error(storages: list[SharedStorage], tensors: Any) -> AttachError:
+def _tensors_error(storages: list[SharedStorage], tensors: Any) -> ProtocolError:
     device = device_map(storages, tensors)
     _, decoded = decode_storages(device)
-    with pytest.raises(AttachError) as info:
+    with pytest.raises(ProtocolError) as info:
         decode_tensors(device, decoded, LAYOUT)
     return info.value
 
@@ -319,3 +328,18 @@ def test_runner_tensors_are_checked_before_export() -> None:
         check_runner_tensors(LAYOUT, cpu)
     with pytest.raises(ValueError, match="needs 4 tensors"):
         check_runner_tensors(LAYOUT, cpu[:3])
+
+
+def test_the_wire_format_lives_with_the_protocol() -> None:
+    """The runner side and the handle format import neither torch, the daemon nor a backend."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, cachexferd.protocol.cuda_ipc, cachexferd.client.cuda_runner; "
+        "heavy = [m for m in sys.modules if m in ('torch', 'cachexferd.daemon') "
+        "or m.startswith('cachexferd.backends')]; "
+        "print(heavy); sys.exit(1 if heavy else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

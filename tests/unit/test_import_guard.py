@@ -63,7 +63,10 @@ PROBE = textwrap.dedent(
 
 
 def test_cpu_daemon_imports_no_cuda_code(short_tmp: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    # This tree first, then whatever the caller's PYTHONPATH brings (a GPU host may provide
+    # pyzmq and the like from a directory of wheels only through it).
+    paths = [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     proc = subprocess.run(
         [sys.executable, "-c", PROBE, str(short_tmp / "rt")], capture_output=True, text=True, timeout=90, env=env
     )

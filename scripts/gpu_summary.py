@@ -1,0 +1,125 @@
+"""Condenses a scripts/gpu-validate.sh output directory into the comparison a reader needs:
+the swap bench at vLLM shapes per copy method, beside the reference scripts run in the same
+session, against the targets (ratios to a raw contiguous pinned copy of the same run).
+
+    python3 scripts/gpu_summary.py OUT_DIR        # prints; gpu-validate.sh appends it to summary.txt
+
+Targets: one direction >= 90% from 16 blocks on for every piece size; a single block of
+1 MiB or more >= 80%; both directions at once >= 85% of the raw both-ways figure; and at or
+above the reference kernel (anchor_kernel.py) and gather (anchor_gather.py) in every row.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+KIB = 1 << 10
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def anchor_ratios(out: Path) -> dict[tuple[int, int, str], float]:
+    """(piece, blocks, direction) -> the best reference ratio measured in this session."""
+    best: dict[tuple[int, int, str], float] = {}
+
+    def note(piece: int, blocks: int, direction: str, value: float | None, raw: float | None) -> None:
+        if value and raw:
+            key = (piece, blocks, direction)
+            best[key] = max(best.get(key, 0.0), value / raw)
+
+    for r in _jsonl(out / "anchors" / "anchor_kernel.jsonl"):
+        note(r["piece"], r["blocks"], "d2h", r.get("kernel_d2h"), r.get("raw_d2h"))
+        note(r["piece"], r["blocks"], "h2d", r.get("kernel_h2d"), r.get("raw_h2d"))
+        note(r["piece"], r["blocks"], "both", r.get("kernel_both"), r.get("raw_both"))
+    for r in _jsonl(out / "anchors" / "anchor_gather.jsonl"):
+        note(r["piece"], r["blocks"], "d2h", r.get("gather_d2h"), r.get("raw_d2h"))
+        note(r["piece"], r["blocks"], "h2d", r.get("scatter_h2d"), r.get("raw_h2d"))
+    for r in _jsonl(out / "anchors" / "anchor_duplex.jsonl"):
+        note(r["piece"], r["blocks"], "both", r.get("both"), r.get("raw_both"))
+    return best
+
+
+def target(piece: int, blocks: int, direction: str) -> float | None:
+    if direction == "both":
+        return 0.85
+    if blocks >= 16:
+        return 0.90
+    if blocks == 1 and piece * 64 >= 1 << 20:  # a host block of 32 layers x 2 pieces
+        return 0.80
+    return None
+
+
+def bench_table(out: Path) -> list[str]:
+    path = out / "bench" / "swap.json"
+    if not path.exists():
+        return ["swap bench: no bench/swap.json"]
+    data = json.loads(path.read_text())
+    machine = data.get("machine", {})
+    anchors = anchor_ratios(out)
+    methods = list(dict.fromkeys(r["method"] for r in data["rows"]))
+    by_key: dict[tuple[int, int, str], dict[str, float]] = {}
+    for r in data["rows"]:
+        by_key.setdefault((r["piece_bytes"], r["blocks"], r["direction"]), {})[r["method"]] = r["ratio"]
+    lines = [
+        f"swap bench ({machine.get('device')}, torch {machine.get('torch')}, cuda {machine.get('cuda')}, "
+        f"triton {machine.get('triton')}, load {machine.get('load_average')}); ratios to raw, scattered ids",
+        f"{'piece':>6} {'blocks':>6} {'dir':5} " + " ".join(f"{m:>8}" for m in methods) + "   anchor  target  auto",
+    ]
+    misses = 0
+    for (piece, blocks, direction), ratios in sorted(by_key.items()):
+        anchor, goal = anchors.get((piece, blocks, direction)), target(piece, blocks, direction)
+        auto = ratios.get("auto")
+        verdict = "-"
+        if auto is not None and (goal is not None or anchor is not None):
+            ok = (goal is None or auto >= goal) and (anchor is None or auto >= anchor)
+            verdict = "met" if ok else "MISSED"
+            misses += not ok
+        cells = " ".join(f"{ratios[m]:>8.0%}" if m in ratios else f"{'':>8}" for m in methods)
+        anchor_cell = f"{anchor:>7.0%}" if anchor is not None else f"{'':>7}"
+        goal_cell = f"{goal:>6.0%}" if goal is not None else f"{'':>6}"
+        lines.append(f"{piece // KIB:>4}Ki {blocks:>6} {direction:5} {cells}  {anchor_cell}  {goal_cell}  {verdict}")
+    lines.append(f"auto against targets and anchors: {misses} row(s) missed")
+    return lines
+
+
+def probes(out: Path) -> list[str]:
+    lines = []
+    copy = out / "copy_probe.json"
+    if copy.exists():
+        data = json.loads(copy.read_text())
+        lines.append(
+            f"copy probe: raw pinned GB/s {data.get('raw_pinned_gbps')} (before {data.get('raw_before')}, "
+            f"after {data.get('raw_after')}); kernel {data.get('kernel')}; {len(data.get('rows', []))} rows"
+        )
+    pin = out / "pin_probe.json"
+    if pin.exists():
+        data = json.loads(pin.read_text())
+        pinning = data.get("pinning", {})
+        lines.append(
+            f"pin probe: {data.get('capacity')} pinned {data.get('pinned')} in {pinning.get('seconds')} s "
+            f"({pinning.get('gib_per_s')} GiB/s); status latency {data.get('status_latency_ms')}"
+        )
+    return lines
+
+
+def main() -> int:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "gpu-validate-out")
+    print("\n".join(bench_table(out) + probes(out)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

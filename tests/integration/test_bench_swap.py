@@ -1,0 +1,58 @@
+"""``cachexferd bench swap`` with the vLLM shapes: option handling, and a tiny run on the cpu
+backend (the CI smoke test of what a GPU host runs with ``--backend cuda``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cachexferd.bench.swap import add_swap_args, apply_preset, block_sizes, cases, methods_for
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_swap_args(parser)
+    args = parser.parse_args(list(argv))
+    apply_preset(args)
+    return args
+
+
+def test_vllm_preset_sizes_blocks_by_their_pieces() -> None:
+    args = parse("--backend", "cuda", "--preset", "vllm")
+    assert block_sizes(args) == [4 << 16, 16 << 16, 32 << 16]  # piece x 32 layers x 2
+    assert (args.patterns, args.directions, args.counts) == ("scattered", "d2h,h2d,both", "1,16,128,1024")
+    assert methods_for(args) == ["auto", "dma", "staging", "kernel"]
+    assert (2 << 20, 1) in set(cases(args)), "a single block of 2 MiB (32 KiB pieces)"
+    assert max(size * count for size, count in cases(args)) <= 512 << 20  # --max-bytes
+    explicit = parse("--backend", "cuda", "--preset", "vllm", "--counts", "16", "--methods", "kernel")
+    assert explicit.counts == "16" and methods_for(explicit) == ["kernel"]
+    assert methods_for(parse("--preset", "vllm")) == ["-"]  # cpu has one method
+    with pytest.raises(SystemExit):
+        methods_for(parse("--backend", "cuda", "--methods", "magic"))
+
+
+def test_defaults_are_unchanged_without_a_preset() -> None:
+    args = parse()
+    assert block_sizes(args)[0] == 16 << 10 and args.layers == 32 and args.patterns == "contiguous,scattered"
+
+
+def test_vllm_shapes_run_on_the_cpu_backend(short_tmp: Path) -> None:
+    out = short_tmp / "bench.json"
+    argv = [sys.executable, "-m", "cachexferd", "bench", "swap", "--preset", "vllm", "--pieces", "4KiB,16KiB",
+            "--counts", "1,8", "--layers", "2", "--min-time", "0.01", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert {(r["piece_bytes"], r["blocks"], r["direction"]) for r in rows} == {
+        (p, c, d) for p in (4096, 16384) for c in (1, 8) for d in ("d2h", "h2d", "both")
+    }
+    assert all(r["pattern"] == "scattered" and r["method"] == "-" for r in rows)
+    assert all(r["swap_gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] > 0 for r in rows)
+    assert "load_average" in data["machine"] and "torch" in data["machine"]
+    assert "piece" in proc.stdout and "load" in proc.stdout

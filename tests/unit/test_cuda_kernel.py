@@ -1,0 +1,216 @@
+"""The cuda backend's piece kernel without a GPU: its launch planning (pure Python), and the
+kernel itself under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors standing in
+for device memory and the pinned host pool, with exact bytes and untouched blocks for every
+dtype, both placements of K and V, contiguous and scattered ids, in both directions, zero-copy
+and through a staging buffer."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from cachexferd.backends.cuda_copy import plan_staging
+from cachexferd.backends.cuda_pieces import (
+    MAX_PROGRAMS,
+    PieceGeometry,
+    grid_size,
+    kernel_args,
+    piece_addresses,
+    program_pieces,
+    split_pairs,
+    vector_shape,
+)
+from cachexferd.protocol import KVLayout
+
+HOST_BLOCKS = 24
+
+
+# Planning ---------------------------------------------------------------------------------
+
+
+def geometry(tensors: int = 6, chunk: int = 256, base: int = 1 << 40) -> PieceGeometry:
+    stride = 64 * chunk
+    return PieceGeometry(tuple(base + t * stride for t in range(tensors)), chunk, chunk)
+
+
+def test_kernel_args_lay_out_the_ids_and_pick_the_widest_word() -> None:
+    geo = geometry()
+    args = kernel_args(geo, True, [5, 9], 1 << 36, [3, 0], 6 * 256, programs=8)
+    assert args.ids == [1 << 36, 5, 9, 3, 0]
+    assert (args.pairs, args.num_tensors, args.pieces, args.nbytes) == (2, 6, 12, 12 * 256)
+    assert (args.word_bytes, args.chunk_words, args.block_stride_words, args.linear_stride_words) == (8, 32, 32, 192)
+    assert args.programs == 8 and args.to_linear
+    odd = PieceGeometry((1 << 40, (1 << 40) + 999), 333, 333)
+    assert kernel_args(odd, False, [1], 0, [1], 666, programs=8).word_bytes == 1
+    assert kernel_args(geometry(chunk=6), False, [1], 2, [1], 36, programs=8).word_bytes == 2
+
+
+def test_kernel_args_refuse_what_cannot_be_right() -> None:
+    with pytest.raises(ValueError, match="differ in length"):
+        kernel_args(geometry(), True, [1, 2], 0, [1], 6 * 256, programs=8)
+    with pytest.raises(ValueError, match="every tensor's chunk"):
+        kernel_args(geometry(), True, [1], 0, [1], 5 * 256, programs=8)
+
+
+def test_grid_is_the_setting_but_never_more_than_the_pieces() -> None:
+    assert grid_size(pieces=64 * 128, programs=8) == 8
+    assert grid_size(pieces=5, programs=32) == 5
+    assert grid_size(pieces=10**9, programs=10**6) == MAX_PROGRAMS
+    assert kernel_args(geometry(tensors=2), True, [0], 0, [0], 512, programs=32).programs == 2
+
+
+@pytest.mark.parametrize(("chunk_words", "word", "expected"), [(1, 8, (1, 1)), (32, 8, (32, 1)), (512, 8, (512, 4)),
+                                                               (100000, 8, (512, 4)), (4096, 1, (4096, 4)),
+                                                               (3, 2, (4, 1))])  # fmt: skip
+def test_vector_shape(chunk_words: int, word: int, expected: tuple[int, int]) -> None:
+    assert vector_shape(chunk_words, word) == expected
+
+
+def test_piece_addresses_follow_the_block_major_host_layout() -> None:
+    layout = KVLayout(num_layers=3, num_blocks=64, block_size=4, num_kv_heads=2, head_dim=16, dtype="bfloat16")
+    geo = geometry(layout.num_tensors, layout.chunk_bytes)
+    host_base = 1 << 36
+    args = kernel_args(geo, True, [7, 2, 40], host_base, [1, 11, 3], layout.host_block_bytes, programs=4)
+    expected = [
+        (geo.tensor_addrs[t] + d * layout.chunk_bytes, host_base + layout.host_chunk_offset(h, t))
+        for d, h in zip([7, 2, 40], [1, 11, 3])
+        for t in range(layout.num_tensors)
+    ]
+    assert piece_addresses(geo, args) == expected
+    covered = sorted(p for g in range(args.programs) for p in program_pieces(args, g))
+    assert covered == list(range(args.pieces)), "the persistent grid must move every piece exactly once"
+
+
+def test_split_pairs_bounds_each_launch() -> None:
+    parts = split_pairs(10, pair_bytes=100, batch_bytes=300)
+    assert [list(p) for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert split_pairs(3, pair_bytes=1000, batch_bytes=10) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert split_pairs(0, 10, 10) == []
+
+
+# The kernel, interpreted ---------------------------------------------------------------------
+
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install triton, or the test extra)"
+)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[Any]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        from cachexferd.backends import cuda_kernel
+
+        loaded = cuda_kernel.load()
+        assert loaded is not None, cuda_kernel.unavailable_reason()
+        yield loaded
+
+
+# K and V as two tensors per layer, in one buffer or each its own allocation; or K and V
+# together in one page per layer (vLLM's layouts: K|V within each page).
+# (block_size, num_kv_heads, head_dim) per dtype, so the pieces move in words of every width:
+# bf16 and fp8 e4m3 8 bytes (192- and 96-byte pieces), fp32 4 (12), fp16 2 (10), fp8 e5m2 1 (9).
+WORD_SHAPES = {"bfloat16": (4, 2, 12), "float8_e4m3fn": (4, 2, 12), "float32": (1, 1, 3), "float16": (1, 1, 5),
+               "float8_e5m2": (3, 1, 3)}  # fmt: skip
+PLACEMENTS = {"kv_pairs-one_buffer": (2, True), "kv_pairs-per_tensor": (2, False), "kv_page-one_buffer": (1, True)}
+
+
+class CpuCache:
+    """Device tensors (CPU memory) in a placement, a host pool, and their byte snapshots."""
+
+    def __init__(self, dtype: str, placement: str, seed: int) -> None:
+        kv, one_buffer = PLACEMENTS[placement]
+        block_size, heads, head_dim = WORD_SHAPES[dtype]
+        self.layout = KVLayout(num_layers=3, num_blocks=20, block_size=block_size, num_kv_heads=heads,
+                               head_dim=head_dim, dtype=dtype, kv_tensors=kv)  # fmt: skip
+        assert self.layout.chunk_bytes % 8 == 0 or dtype != "bfloat16"
+        n, tb, gen = self.layout.num_tensors, self.layout.tensor_bytes, torch.Generator().manual_seed(seed)
+        if one_buffer:
+            flat = torch.randint(0, 256, (n * tb,), dtype=torch.uint8, generator=gen)
+            self.tensors = [flat[t * tb : (t + 1) * tb] for t in range(n)]
+        else:
+            self.tensors = [torch.randint(0, 256, (tb,), dtype=torch.uint8, generator=gen) for _ in range(n)]
+        host_bytes = HOST_BLOCKS * self.layout.host_block_bytes
+        self.host = torch.randint(0, 256, (host_bytes,), dtype=torch.uint8, generator=gen)
+
+    def mover(self, kernel: Any) -> Any:
+        from cachexferd.backends.cuda_kernel import Grid, PieceMover
+
+        c = self.layout.chunk_bytes
+        geo = PieceGeometry(tuple(t.data_ptr() for t in self.tensors), c, c)
+        return PieceMover(kernel, geo, self.host, self.layout.host_block_bytes, torch.device("cpu"), Grid(3, 5))
+
+    def block(self, t: int, b: int, tensors: list[torch.Tensor] | None = None) -> torch.Tensor:
+        c = self.layout.chunk_bytes
+        return (tensors or self.tensors)[t][b * c : (b + 1) * c]
+
+    def chunk(self, t: int, h: int, host: torch.Tensor | None = None) -> torch.Tensor:
+        off = self.layout.host_chunk_offset(h, t)
+        return (self.host if host is None else host)[off : off + self.layout.chunk_bytes]
+
+    def snapshot(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        return [t.clone() for t in self.tensors], self.host.clone()
+
+
+def ids_for(pattern: str, layout: KVLayout) -> tuple[list[int], list[int]]:
+    if pattern == "contiguous":
+        return list(range(2, 9)), list(range(5, 12))
+    rng = random.Random(7)
+    return rng.sample(range(layout.num_blocks), 7), rng.sample(range(HOST_BLOCKS), 7)
+
+
+def swap(cache: CpuCache, mover: Any, mode: str, to_host: bool, dev: list[int], host: list[int]) -> None:
+    if mode == "direct":
+        mover.direct(to_host, dev, host)
+        return
+    hb = cache.layout.host_block_bytes
+    for batch in plan_staging(dev, host, 3, hb, boundary=5 * hb):  # several batches, runs cut at a "pin chunk"
+        (mover.gather if to_host else mover.scatter)(batch)
+
+
+@needs_triton
+@pytest.mark.parametrize("mode", ["direct", "staging"])
+@pytest.mark.parametrize("pattern", ["contiguous", "scattered"])
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"])
+def test_kernel_moves_exact_bytes_and_nothing_else(kernel: Any, dtype: str, placement: str, pattern: str,
+                                                   mode: str) -> None:  # fmt: skip
+    cache = CpuCache(dtype, placement, seed=len(dtype) + len(placement))
+    mover = cache.mover(kernel)
+    n = cache.layout.num_tensors
+    dev, host = ids_for(pattern, cache.layout)
+    tensors0, host0 = cache.snapshot()
+    swap(cache, mover, mode, True, dev, host)
+    assert mover.word_bytes == {"bfloat16": 8, "float8_e4m3fn": 8, "float32": 4, "float16": 2, "float8_e5m2": 1}[dtype]
+    for t in range(n):
+        for d, h in zip(dev, host):
+            assert torch.equal(cache.chunk(t, h), cache.block(t, d)), f"swap-out: tensor {t} block {d} -> host {h}"
+    untouched_host = [h for h in range(HOST_BLOCKS) if h not in host]
+    assert all(torch.equal(cache.chunk(t, h), cache.chunk(t, h, host0)) for h in untouched_host for t in range(n))
+    assert all(torch.equal(a, b) for a, b in zip(cache.tensors, tensors0)), "swap-out wrote to the device"
+
+    back = [b for b in range(cache.layout.num_blocks) if b not in dev][: len(dev)]
+    tensors1, host1 = cache.snapshot()
+    swap(cache, mover, mode, False, back, host)
+    for t in range(n):
+        for b, d in zip(back, dev):
+            assert torch.equal(cache.block(t, b), cache.block(t, d, tensors0)), f"swap-in: tensor {t} block {b}"
+        for b in set(range(cache.layout.num_blocks)) - set(back):
+            assert torch.equal(cache.block(t, b), cache.block(t, b, tensors1)), f"swap-in touched tensor {t} block {b}"
+    assert torch.equal(cache.host, host1), "swap-in wrote to the host"
+    assert mover.launches >= 2
+
+
+@needs_triton
+def test_warm_up_writes_nothing(kernel: Any) -> None:
+    cache = CpuCache("bfloat16", "kv_pairs-one_buffer", seed=1)
+    mover = cache.mover(kernel)
+    tensors0, host0 = cache.snapshot()
+    mover.warm_up()
+    assert all(torch.equal(a, b) for a, b in zip(cache.tensors, tensors0)) and torch.equal(cache.host, host0)
+    assert mover.launches == 0
