@@ -104,7 +104,7 @@ def decode_body(msg_type: int, data: bytes) -> Command | None:
         return None
     try:
         return command_of(decoder.decode(data))
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except Exception:  # msgspec's errors, and UnicodeDecodeError for a str that is not UTF-8
         return None
 
 
@@ -114,7 +114,7 @@ def decode_batch(data: bytes) -> list[Command] | None:
         return None
     try:
         items = _BATCH_DECODER.decode(data).items  # type: ignore[attr-defined]
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except Exception:  # msgspec's errors, and UnicodeDecodeError for a str that is not UTF-8
         return None
     return [command_of(item.body) for item in items]
 
@@ -172,6 +172,6 @@ def decode_outcomes(frames: list[bytes]) -> list[Outcome] | None:
         if msg_type in _OUTCOME_TYPES:
             o = _OUTCOME.decode(frames[1])
             return [Outcome(o.req_id, o.boot_id, o.rank, o.code, o.detail, o.result, o.op)]
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except Exception:  # msgspec's errors, and UnicodeDecodeError for a str that is not UTF-8
         return None
     return None

@@ -184,6 +184,10 @@ def test_frames_that_are_not_one_well_formed_message_take_the_checked_path() -> 
     assert decode_commands([b"CX\x02\x02", good[1]]) is None  # another major
     assert decode_commands([b"XX\x01\x02", good[1]]) is None
     assert decode_commands([good[0], good[1] + b"\x00"]) is None  # trailing bytes
+    # A str that is not UTF-8 (msgspec raises UnicodeDecodeError for it, not its own errors).
+    bad_text = b"\x82\xa6req_id\x03\xa7boot_id\xa2\xf1\x80"
+    assert decode_body(MsgType.PING, bad_text) is None and checked(MsgType.PING, bad_text) is None
+    assert decode_batch(b"\x81\xa5items\x91\x92\x02" + bad_text) is None
 
 
 outcome_values = st.recursive(
