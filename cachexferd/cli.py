@@ -2,7 +2,7 @@
 
 Exit statuses of ``serve`` (docs/operations.md): 0 stopped cleanly, 1 failed (a bug or a
 crash: the log says what), 2 refused to start because of the configuration or this machine
-(one line on stderr names the setting and the fix; the systemd unit does not restart on 2),
+(one line on stderr per problem names the setting and the fix; the systemd unit does not restart on 2),
 130 a second SIGINT cut the drain short.
 """
 
@@ -15,7 +15,6 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
@@ -100,13 +99,15 @@ def _setup_logging(config: Config) -> None:
     logging.basicConfig(level=getattr(logging, config.daemon.log_level.upper()), handlers=[handler])
 
 
-def _refuse(message: str, config: Config | None = None, code: int = EXIT_CONFIG) -> int:
-    """A start-up refusal: exactly one line on stderr (JSON in the JSON log format)."""
-    if config is not None and config.daemon.log_format == "json":
-        line = json.dumps({"level": "error", "rank": config.daemon.rank, "msg": message, "exit": code})
-    else:
-        line = f"cachexferd: {message}"
-    print(line, file=sys.stderr, flush=True)
+def _refuse(message: str | list[str], config: Config | None = None, code: int = EXIT_CONFIG) -> int:
+    """A start-up refusal: one line on stderr per problem (one JSON object per line in the
+    JSON log format)."""
+    for problem in [message] if isinstance(message, str) else message:
+        if config is not None and config.daemon.log_format == "json":
+            line = json.dumps({"level": "error", "rank": config.daemon.rank, "msg": problem, "exit": code})
+        else:
+            line = f"cachexferd: {problem}"
+        print(line, file=sys.stderr, flush=True)
     return code
 
 
@@ -123,13 +124,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, _overrides(args))
     except ConfigError as exc:
-        return _refuse(f"invalid configuration: {exc}")
+        return _refuse([f"invalid configuration: {problem}" for problem in exc.problems])
     try:
         warnings = preflight.check(config, running_ok=args.check_config)
     except ConfigError as exc:
-        return _refuse(str(exc), config)
+        return _refuse(exc.problems, config)
+    effective = {**config.to_dict(), "resolved": config.resolved()}
     if args.check_config:
-        print(json.dumps(config.to_dict(), indent=2, sort_keys=True))
+        print(json.dumps(effective, indent=2, sort_keys=True))
         for warning in warnings:
             print(f"cachexferd: warning: {warning}", file=sys.stderr)
         return 0
@@ -137,17 +139,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("cachexferd")
     for warning in warnings:
         log.warning("%s", warning)
-    log.info("effective config: %s", json.dumps(config.to_dict(), sort_keys=True))
+    log.info("effective config: %s", json.dumps(effective, sort_keys=True))
     return _run_daemon(config, log)
 
 
 def _run_daemon(config: Config, log: logging.Logger) -> int:
+    """Runs the daemon until it stops. A start that fails undoes itself (Daemon.start owns
+    that clean-up); here it only becomes the exit status and the one line."""
     import uvloop
 
     from .daemon.server import Daemon
 
     made: list[Daemon] = []
-    first_new = _first_missing(config.runtime_dir)
 
     async def main() -> None:
         daemon = Daemon(config)
@@ -158,13 +161,11 @@ def _run_daemon(config: Config, log: logging.Logger) -> int:
     try:
         uvloop.run(main())
     except KeyboardInterrupt:  # SIGINT before the daemon's own handler was installed
-        _clean_failed_start(config, first_new)
         return 130
     except Exception as exc:
         if made and made[0].state != "starting":
             log.exception("daemon failed")
             return EXIT_FAILURE
-        _clean_failed_start(config, first_new)
         code, message = start_failure(config, exc)
         log.debug("start-up failure", exc_info=True)
         return _refuse(message, config, code)
@@ -177,7 +178,7 @@ def start_failure(config: Config, exc: Exception) -> tuple[int, str]:
     preflight catches these cases up front; this covers what changed in between (another
     process took the port) and what only the daemon finds out (the mmap itself failing)."""
     from .daemon.server import DaemonError
-    from .status import human_bytes
+    from .units import human_bytes
 
     if isinstance(exc, DaemonError):  # runtime dir, lock, endpoint, storage settings
         return EXIT_CONFIG, str(exc)
@@ -193,39 +194,6 @@ def start_failure(config: Config, exc: Exception) -> tuple[int, str]:
         return EXIT_CONFIG, f"daemon.backend (from {config.source('daemon.backend')}): {exc}"
     detail = f"{type(exc).__name__}: {exc}".replace("\n", " ")
     return EXIT_FAILURE, f"failed to start: {detail} (daemon.log_level = debug logs the traceback)"
-
-
-def _first_missing(path: Path) -> Path | None:
-    """The outermost directory of ``path`` that does not exist yet (what a start creates)."""
-    missing = None
-    while not path.exists() and path != path.parent:
-        missing, path = path, path.parent
-    return missing
-
-
-def _clean_failed_start(config: Config, first_new: Path | None) -> None:
-    """Removes what a failed start left: the socket and lock of this process (the lock file
-    holds the pid of its owner: another daemon's files are never touched) and the runtime
-    directories it created."""
-    runtime = config.runtime_dir
-    lock = runtime / "daemon.lock"
-    try:
-        owned = lock.read_text().strip() == str(os.getpid())
-    except OSError:
-        owned = False
-    if owned:
-        if config.endpoint.startswith("ipc://"):
-            Path(config.endpoint[len("ipc://") :]).unlink(missing_ok=True)
-        lock.unlink(missing_ok=True)
-    if first_new is None:
-        return
-    for directory in (runtime, *runtime.parents):
-        try:
-            directory.rmdir()  # only if empty
-        except OSError:
-            return
-        if directory == first_new:
-            return
 
 
 # status ------------------------------------------------------------------------------------

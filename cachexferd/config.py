@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import tomllib
@@ -32,7 +33,12 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 class ConfigError(ValueError):
-    """Invalid configuration; the message says which key, which source, and why."""
+    """Invalid configuration: one or more problems, each naming the key, where its value came
+    from, and why (``problems``; the message has one per line)."""
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
 
 
 def parse_size(value: Any) -> int:
@@ -235,6 +241,20 @@ class Config:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in TABLES}
 
+    def resolved(self) -> dict[str, Any]:
+        """What the empty and relative defaults become for this daemon, on this machine, for
+        this user: the values it will use (``--check-config`` prints them, the start logs them)."""
+        out: dict[str, Any] = {"endpoint": self.endpoint, "runtime_dir": str(self.runtime_dir)}
+        if self.storage.backend == "file":
+            out["storage_path"] = str(self.storage_path)
+        if not self.metrics.enabled:
+            out["metrics"] = "disabled"
+        elif self.metrics_port:
+            out["metrics"] = f"http://{self.metrics.host}:{self.metrics_port}/metrics"
+        else:
+            out["metrics"] = f"http://{self.metrics.host}:<any free port>/metrics"
+        return out
+
 
 TABLES: dict[str, type] = {
     "daemon": DaemonConfig,
@@ -286,41 +306,92 @@ def validate_storage(config: Config) -> None:
         )
 
 
-def _convert(table: str, fld: dataclasses.Field[Any], value: Any, source: str) -> Any:
+_INT = re.compile(r"^[+-]?[0-9]+$")
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def _convert(table: str, fld: dataclasses.Field[Any], value: Any, source: str, from_file: bool) -> Any:
+    """The typed value of one setting, or ConfigError. Text from the environment and flags
+    is parsed; a TOML file must use the setting's own type (``port = 18700``, not
+    ``"18700"``), except sizes, which may be written as strings with a unit."""
     key = f"{table}.{fld.name}"
     meta = fld.metadata
+    kind = "size" if meta.get("kind") == "size" else str(fld.type)
     try:
-        if meta.get("kind") == "size":
-            out: Any = parse_size(value)
-        elif fld.type in ("bool", bool):
-            out = _to_bool(value)
-        elif fld.type in ("int", int):
-            out = int(value) if isinstance(value, str) else value
-            if type(out) is not int:
-                raise ValueError(f"expected an int, got {type(value).__name__}")
-        elif fld.type in ("float", float):
-            out = float(value) if isinstance(value, (str, int)) and type(value) is not bool else value
-            if type(out) is not float:
-                raise ValueError(f"expected a number, got {type(value).__name__}")
-        else:
-            if not isinstance(value, str):
-                raise ValueError(f"expected a string, got {type(value).__name__}")
-            out = value
+        out = _CONVERTERS[kind](value, not from_file)
     except ValueError as exc:
-        raise ConfigError(f"{key} (from {source}): {exc}") from None
+        raise ConfigError(
+            f"{key} (from {source}): expected {_EXPECTED[kind]}, got {_shown(value, kind, from_file)}"
+        ) from exc
     _check_range(key, source, out, meta)
     return out
 
 
-def _to_bool(value: Any) -> bool:
+def _to_int(value: Any, text_ok: bool) -> int:
+    if type(value) is int:
+        return value
+    if text_ok and isinstance(value, str) and _INT.match(value.strip()):
+        return int(value)
+    raise ValueError(value)
+
+
+def _to_float(value: Any, text_ok: bool) -> float:
+    if type(value) in (int, float) and math.isfinite(value):
+        return float(value)
+    if text_ok and isinstance(value, str) and math.isfinite(number := float(value)):  # ValueError if not a number
+        return number
+    raise ValueError(value)
+
+
+def _to_bool(value: Any, text_ok: bool = True) -> bool:
     if type(value) is bool:
         return value
-    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return value.lower() in ("1", "true", "yes", "on")
-    raise ValueError(f"expected a bool, got {value!r}")
+    if text_ok and isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:
+        return _BOOL_WORDS[value.strip().lower()]
+    raise ValueError(value)
+
+
+def _to_size(value: Any, text_ok: bool) -> int:
+    return parse_size(value)  # an int, or a string with a unit (also in a file: "64GiB")
+
+
+def _to_str(value: Any, text_ok: bool) -> str:
+    if isinstance(value, str):
+        return value
+    raise ValueError(value)
+
+
+_CONVERTERS: dict[str, Any] = {"int": _to_int, "float": _to_float, "bool": _to_bool, "size": _to_size, "str": _to_str}
+_EXPECTED = {
+    "int": "an integer",
+    "float": "a number",
+    "bool": "a bool (true or false)",
+    "size": "a size (bytes, or a number and a unit: KiB MiB GiB TiB KB MB GB TB)",
+    "str": "a string",
+}
+
+
+def _shown(value: Any, kind: str, from_file: bool) -> str:
+    """How a rejected value is quoted back: with its TOML type when the file's type was wrong."""
+    if isinstance(value, str):
+        if from_file and _parses_as_text(value, kind):
+            bare = str(_to_bool(value)).lower() if kind == "bool" else value.strip()
+            return f"the string {value!r} (a TOML file takes {bare}, without quotes)"
+        return repr(value)
+    names = {bool: "a boolean", int: "an integer", float: "a number", list: "an array", dict: "a table"}
+    return f"{names.get(type(value), type(value).__name__)} ({value!r})"
+
+
+def _parses_as_text(value: str, kind: str) -> bool:
+    try:
+        _CONVERTERS[kind](value, True)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_range(key: str, source: str, value: Any, meta: Mapping[str, Any]) -> None:
+    """Choices and bounds (after the type is right)."""
     if "choices" in meta and value not in meta["choices"]:
         raise ConfigError(f"{key} (from {source}): {value!r} is not one of {list(meta['choices'])}")
     if "lo" in meta and value < meta["lo"]:
@@ -336,35 +407,53 @@ def _unknown(name: str, known: list[str], what: str, source: str) -> ConfigError
 
 
 class _Layers:
-    """Collects overrides per table, remembering where each value came from."""
+    """Collects overrides per table, remembering where each value came from, and every
+    problem found on the way: all of them are reported at once."""
 
     def __init__(self) -> None:
-        self.values: dict[str, dict[str, tuple[Any, str]]] = {name: {} for name in TABLES}
+        self.values: dict[str, dict[str, tuple[Any, str, bool]]] = {name: {} for name in TABLES}
+        self.problems: list[str] = []
 
-    def put(self, table: str, key: str, value: Any, source: str) -> None:
+    def put(self, table: str, key: str, value: Any, source: str, from_file: bool = False) -> None:
         if table not in TABLES:
-            raise _unknown(table, list(TABLES), "table", source)
+            self.problems.append(str(_unknown(table, list(TABLES), "table", source)))
+            return
         known = [fld.name for fld in fields(TABLES[table])]
         if key not in known:
-            raise _unknown(key, known, f"key in [{table}]", source)
-        self.values[table][key] = (value, source)
+            self.problems.append(str(_unknown(key, known, f"key in [{table}]", source)))
+            return
+        self.values[table][key] = (value, source, from_file)
 
     def build(self) -> Config:
         tables = {}
         for name, cls in TABLES.items():
             by_name = {fld.name: fld for fld in fields(cls)}
-            kwargs = {k: _convert(name, by_name[k], v, src) for k, (v, src) in self.values[name].items()}
+            kwargs = {}
+            for k, (v, src, from_file) in self.values[name].items():
+                try:
+                    kwargs[k] = _convert(name, by_name[k], v, src, from_file)
+                except ConfigError as exc:
+                    self.problems += exc.problems  # the default stands in, so later checks still run
             tables[name] = cls(**kwargs)
-        sources = {f"{t}.{k}": src for t, values in self.values.items() for k, (_, src) in values.items()}
+        sources = {f"{t}.{k}": src for t, values in self.values.items() for k, (_, src, _) in values.items()}
         config = Config(**tables, sources=sources)
+        self._check_whole(config)
+        if self.problems:
+            raise ConfigError(*self.problems)
+        return config
+
+    def _check_whole(self, config: Config) -> None:
+        """Rules across settings: access (endpoint, keys, group) and storage addresses."""
         from .security import AccessError, check_access
 
         try:
             check_access(config)
         except AccessError as exc:
-            raise ConfigError(str(exc)) from None
-        validate_storage(config)
-        return config
+            self.problems.append(str(exc))
+        try:
+            validate_storage(config)
+        except ConfigError as exc:
+            self.problems += exc.problems
 
 
 def load_config(
@@ -379,12 +468,17 @@ def load_config(
     env = os.environ if environ is None else environ
     for var, value in sorted(env.items()):
         if var.startswith(ENV_PREFIX) and var != ENV_PREFIX + "CONFIG":
-            table, key = _split_env(var)
+            try:
+                table, key = _split_env(var)
+            except ConfigError as exc:
+                layers.problems += exc.problems
+                continue
             layers.put(table, key, value, f"env {var}")
     for dotted, value in (overrides or {}).items():
         table, _, key = dotted.partition(".")
         if not key:
-            raise ConfigError(f"override {dotted!r} must look like table.key=value")
+            layers.problems.append(f"override {dotted!r} must look like table.key=value")
+            continue
         layers.put(table, key, value, f"flag {dotted}")
     return layers.build()
 
@@ -408,9 +502,10 @@ def _load_file(layers: _Layers, path: Path) -> None:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     for table, values in data.items():
         if not isinstance(values, dict):
-            raise ConfigError(f"{path}: top-level key {table!r} must be a [table]")
+            layers.problems.append(f"{path}: top-level key {table!r} must be a [table]")
+            continue
         for key, value in values.items():
-            layers.put(table, key, value, str(path))
+            layers.put(table, key, value, str(path), from_file=True)
 
 
 def _split_env(var: str) -> tuple[str, str]:

@@ -27,7 +27,7 @@ from .client import EngineClient
 from .client.pending import Completion
 from .launch import DaemonProcess
 from .protocol import KVLayout
-from .status import human_bytes
+from .units import human_bytes
 
 TP = 2
 LAYOUT = KVLayout(num_layers=8, num_blocks=512, block_size=16, num_kv_heads=4, head_dim=64, dtype="bfloat16")
@@ -65,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
     if args.blocks * 2 > LAYOUT.num_blocks:
         print(f"--blocks must be at most {LAYOUT.num_blocks // 2}", file=sys.stderr)
         return 2
+    problem = storage_problem_of(args)
+    if problem:
+        print(f"cachexferd: demo --storage {args.storage}: {problem}", file=sys.stderr)
+        return 2
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(line_buffering=True)  # progress shows as it happens, also through a pipe
     print_header()
@@ -81,6 +85,17 @@ def run(args: argparse.Namespace) -> int:
         return report_failure(exc, daemons)
     finally:
         clean_up(daemons, runners, workdir, args.keep)
+
+
+def storage_problem_of(args: argparse.Namespace) -> str:
+    """Why the storage part cannot run here ('' if it can): checked before anything starts."""
+    if args.storage == "none":
+        return ""
+    try:
+        from .demo_pd import storage_problem
+    except ImportError:
+        return ""  # the storage part says it is skipped
+    return storage_problem(args.storage, args.storage_url, args.storage_master)
 
 
 def report_failure(exc: Exception, daemons: list[DaemonProcess]) -> int:

@@ -29,8 +29,8 @@ from .client import EngineClient
 from .demo import LAYOUT, TP, clean_up, report_failure, start_runners
 from .index import Lease, PrefixIndex
 from .launch import DaemonProcess
-from .status import human_bytes
 from .storage.keys import BlockHash, KeySpace
+from .units import human_bytes
 
 if TYPE_CHECKING:
     import torch

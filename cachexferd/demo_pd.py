@@ -13,7 +13,7 @@ Redis/Valkey server or a Mooncake Store. Each side has a runner KV cache in shar
    other decode block must be unchanged.
 
 ``url`` / ``master`` name a running Redis / Mooncake master; without them a local server is
-started on loopback ports when its binary is installed (cachexferd.storage.servers).
+started on loopback ports when its binary is installed (cachexferd.storage_servers).
 """
 
 from __future__ import annotations
@@ -29,11 +29,33 @@ from .client import EngineClient, RunnerClient, ShmKVCache
 from .launch import DaemonProcess
 from .protocol import KVLayout
 from .storage.keys import KeySpace
-from .storage.servers import MooncakeCluster, RedisServer, ServerUnavailable
+from .storage_servers import MooncakeCluster, RedisServer, ServerUnavailable, mooncake_binaries, redis_binary
 
 LAYOUT = KVLayout(num_layers=8, num_blocks=128, block_size=16, num_kv_heads=4, head_dim=64, dtype="bfloat16")
 PROMPT_TOKENS = 1000  # 62 full blocks of 16 tokens + a partial block of 8
 WAIT_S = 60.0
+
+
+def storage_problem(backend: str, url: str | None, master: str | None) -> str:
+    """Why the handoff cannot run with ``backend`` here ('' if it can), found before anything
+    starts: the daemons' storage client library, and the server the demo would start."""
+    from .config import ConfigError, load_config
+    from .preflight import check_storage
+
+    if backend in ("file", "none"):
+        return ""
+    try:
+        check_storage(load_config(overrides={"storage.backend": backend}, environ={}))
+        if backend == "redis" and url is None:
+            redis_binary()
+        elif backend == "mooncake" and master is None:
+            mooncake_binaries()
+    except ConfigError as exc:
+        return str(exc).split(": ", 1)[-1]  # without the setting's name: the demo chose it
+    except ServerUnavailable as exc:
+        flag = "--storage-url" if backend == "redis" else "--storage-master"
+        return f"{exc}; or name a running server with {flag}"
+    return ""
 
 
 @contextlib.contextmanager

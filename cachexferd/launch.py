@@ -1,5 +1,5 @@
 """Start and stop subprocesses by PID: daemons (``cachexferd demo``, the benchmarks, the
-tests) and the storage servers (cachexferd.storage.servers). Each runs in its own session
+tests) and the storage servers (cachexferd.storage_servers). Each runs in its own session
 with its own log file; ``start`` returns once a readiness check passes.
 """
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from .security import CurveClientKeys
 from .status import fetch_status
 
 
@@ -101,6 +102,8 @@ class DaemonProcess:
     settings: dict[str, Any] = field(default_factory=dict)  # table.key -> value
     env: dict[str, str] = field(default_factory=dict)
     process: ManagedProcess | None = None
+    curve: CurveClientKeys | None = None  # keys to ask a daemon on tcp with CURVE for its status
+    prefix: list[str] = field(default_factory=list)  # runs the daemon through this (e.g. ip netns exec NAME)
 
     @property
     def endpoint(self) -> str:
@@ -116,7 +119,7 @@ class DaemonProcess:
 
     def argv(self) -> list[str]:
         base = {"daemon.rank": self.rank, "daemon.runtime_dir": str(self.runtime_dir), "daemon.backend": "cpu"}
-        args = [sys.executable, "-m", "cachexferd", "serve"]
+        args = [*self.prefix, sys.executable, "-m", "cachexferd", "serve"]
         for key, value in {**base, **self.settings}.items():
             args += ["--set", f"{key}={value}"]
         return args
@@ -130,7 +133,7 @@ class DaemonProcess:
             if self.endpoint.startswith("ipc://") and not Path(self.endpoint[len("ipc://") :]).exists():
                 return False
             try:
-                status.update(fetch_status(self.endpoint, timeout_s=1.0))
+                status.update(fetch_status(self.endpoint, timeout_s=1.0, curve=self.curve))
             except Exception:
                 return False
             return bool(self.proc is not None and status.get("pid") == self.proc.pid)
@@ -140,7 +143,7 @@ class DaemonProcess:
         return status
 
     def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
-        return fetch_status(self.endpoint, timeout_s)
+        return fetch_status(self.endpoint, timeout_s, self.curve)
 
     def log_tail(self, lines: int = 30) -> str:
         return self.process.log_tail(lines) if self.process is not None else ""

@@ -16,30 +16,45 @@ import fcntl
 import importlib.util
 import os
 import socket
+import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from .config import Config, ConfigError
+from .units import human_bytes
 
 EXIT_CONFIG = 2
+T = TypeVar("T")
 _IPC_PATH_MAX = 107  # sun_path is 108 bytes with its terminating NUL
 _DAEMON_OVERHEAD = 512 << 20  # interpreter, torch and the daemon beside the host cache
 _EXTRAS = {"redis": ("redis", "redis"), "mooncake": ("mooncake", "mooncake")}  # backend: (module, pip extra)
 
 
 def check(config: Config, *, running_ok: bool = False) -> list[str]:
-    """Runs every check; raises ConfigError on the first failure, returns warnings.
+    """Runs every check; raises one ConfigError naming every failure, returns warnings.
 
     ``running_ok`` (``--check-config``): a daemon already running with this configuration
     is expected, not an error; its lock and ports are then not checked."""
-    warnings: list[str] = []
-    running = check_runtime_dir(config, running_ok)
-    check_backend(config)
-    warnings += check_memory(config)
-    warnings += check_storage(config)
+    problems: list[str] = []
+
+    def run(check: Callable[[], T], empty: T) -> T:
+        try:
+            return check()
+        except ConfigError as exc:  # every check runs: all problems are reported at once
+            problems.extend(exc.problems)
+            return empty
+
+    running = run(lambda: check_runtime_dir(config, running_ok), "")
+    run(lambda: check_backend(config), None)
+    none: list[str] = []
+    warnings = run(lambda: check_memory(config), none) + run(lambda: check_storage(config), none)
     if running:
         warnings.append(f"a cachexferd (pid {running}) is running with this runtime directory: ports not checked")
     else:
-        check_ports(config)
+        run(lambda: check_ports(config), None)
+    if problems:
+        raise ConfigError(*problems)
     return warnings
 
 
@@ -165,8 +180,6 @@ def _lowest_limit(directory: Path, name: str) -> int | None:
 def check_memory(config: Config) -> list[str]:
     """The host cache must fit in RAM: past it, mmap fails with ENOMEM (or the OOM killer
     comes later). Several daemons on one host each need their own capacity."""
-    from .status import human_bytes
-
     capacity, ram = config.host_cache.capacity, physical_memory()
     key = "host_cache.capacity"
     if capacity + _DAEMON_OVERHEAD > ram:
@@ -225,15 +238,31 @@ def _has_rdma_device() -> bool:
 
 
 def _file_storage_warnings(config: Config) -> list[str]:
-    """The directory may legitimately appear later (a shared file system not mounted yet),
-    so these are warnings: storage commands answer STORAGE_UNAVAILABLE meanwhile."""
-    from .status import human_bytes
-
+    """A path that can never hold objects is refused (a file where the directory should be,
+    a virtual file system such as /proc). The directory may legitimately appear later (a
+    shared file system not mounted yet, permissions an operator fixes), so the rest are
+    warnings: storage commands answer STORAGE_UNAVAILABLE meanwhile, and status says why."""
     path = config.storage_path
+    key = _setting(config, "storage.path")
     existing = _nearest_existing(path)
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        return [f"storage.path {path} is not writable by this user: storage commands fail until it is"]
+    if not existing.is_dir():
+        kind = _file_kind(existing)
+        where = f"is {kind}" if existing == path else f"cannot be created: {existing} is {kind}"
+        raise ConfigError(f"{key}: {path} {where}, not a directory; name a directory (or one to create)")
+    fs_type = file_system_type(existing)
+    if fs_type in _VIRTUAL_FS:
+        raise ConfigError(
+            f"{key}: {path} is on a {fs_type} file system, which cannot hold files; choose a directory on a disk "
+            "or a shared file system"
+        )
     disk = os.statvfs(existing)
+    if disk.f_flag & os.ST_RDONLY:
+        return [f"storage.path {path} is on a read-only file system ({existing}): storage commands fail until it "
+                "is writable (a shared file system not mounted yet?)"]  # fmt: skip
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "cannot be created" if existing != path else "is not writable"
+        return [f"storage.path {path} {what} by this user (uid {os.getuid()}: {existing} is not writable): storage "
+                "commands fail until it is"]  # fmt: skip
     size = disk.f_blocks * disk.f_frsize
     if config.storage.capacity > size:
         return [
@@ -241,6 +270,43 @@ def _file_storage_warnings(config: Config) -> list[str]:
             f"{path} ({human_bytes(size)}): a full disk stops stores before eviction does"
         ]
     return []
+
+
+# File systems that exist only in memory of the kernel: nothing can be stored there.
+_VIRTUAL_FS = frozenset({
+    "proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs", "pstore", "bpf",
+    "configfs", "fusectl", "mqueue", "binfmt_misc", "efivarfs", "selinuxfs", "nsfs", "rpc_pipefs",
+})  # fmt: skip
+
+
+def _file_kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    return "a device or another special file"
+
+
+def file_system_type(path: Path) -> str:
+    """The type of the file system holding ``path`` (from /proc/self/mountinfo), '' if unknown."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    real, best, fs_type = os.path.realpath(path), "", ""
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not rest:
+            continue
+        mount = parts[4].replace("\\040", " ")
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):  # the last, deepest mount wins
+            best, fs_type = mount, rest.split()[0]
+    return fs_type
 
 
 # Ports -------------------------------------------------------------------------------------

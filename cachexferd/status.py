@@ -10,9 +10,18 @@ import zmq
 from .client.link import Link, check_ok
 from .protocol import Status
 from .security import CurveClientKeys
+from .units import human_bytes
+
+
+class NoDaemon(RuntimeError):
+    """Nothing to ask: the daemon's ipc socket file does not exist."""
 
 
 def fetch_status(endpoint: str, timeout_s: float = 5.0, curve: CurveClientKeys | None = None) -> dict[str, Any]:
+    """The daemon's STATUS map. An ipc socket file that does not exist fails at once
+    (NoDaemon): ZeroMQ would keep retrying the connect until the timeout."""
+    if _missing_ipc_file(endpoint):
+        raise NoDaemon(f"{endpoint[len('ipc://') :]} does not exist")
     ctx: zmq.Context[Any] = zmq.Context()
     link = Link(ctx, endpoint, curve=curve)
     try:
@@ -22,19 +31,15 @@ def fetch_status(endpoint: str, timeout_s: float = 5.0, curve: CurveClientKeys |
         ctx.term()
 
 
+def _missing_ipc_file(endpoint: str) -> bool:
+    return endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@") and not Path(endpoint[6:]).exists()
+
+
 def no_status_hint(endpoint: str) -> str:
     """What to look at when a daemon did not answer (appended to the error line)."""
-    if endpoint.startswith("ipc://") and not Path(endpoint[len("ipc://") :]).exists():
+    if _missing_ipc_file(endpoint):
         return " (no socket there: is the daemon running? systemctl status 'cachexferd@*', or check --rank/--endpoint)"
     return " (the socket exists but nothing answered: the daemon may be starting, stuck or gone)"
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # unreachable
 
 
 def format_status(s: dict[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""Storage servers for tests: pytest fixtures around cachexferd.storage.servers.
+"""Storage servers for tests: pytest fixtures around cachexferd.storage_servers.
 
 ``redis_server`` and ``mooncake_cluster`` start a real redis-server (or valkey-server) and a
 real mooncake_master + mooncake_client storage node on free loopback ports, once per test
@@ -7,7 +7,7 @@ module, and stop them by PID afterwards. Import the fixtures into a test module 
 Where a binary is missing the tests skip with the reason; in CI (``CI=true``) the servers
 are part of the contract (.ci/run installs them), so a missing one fails instead. Binary
 lookup and the CXTEST_REDIS_SERVER / CXTEST_MOONCAKE_MASTER /
-CXTEST_MOONCAKE_CLIENT overrides: see cachexferd/storage/servers.py.
+CXTEST_MOONCAKE_CLIENT overrides: see cachexferd/storage_servers.py.
 
 ``python -m tests.servers redis|mooncake`` starts one and prints its address until Ctrl-C.
 """
@@ -24,7 +24,7 @@ from typing import NoReturn
 
 import pytest
 
-from cachexferd.storage.servers import MooncakeCluster, RedisServer, ServerUnavailable
+from cachexferd.storage_servers import MooncakeCluster, RedisServer, ServerUnavailable
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

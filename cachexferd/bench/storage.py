@@ -38,10 +38,10 @@ from ..config import parse_size
 from ..daemon.storage_tier import shards
 from ..launch import DaemonProcess
 from ..protocol import KVLayout
-from ..status import human_bytes
 from ..storage.mooncake import quiet_logs
 from ..storage.objects import HEADER_BYTES
-from ..storage.servers import MooncakeCluster, RedisServer, ServerUnavailable
+from ..storage_servers import MooncakeCluster, RedisServer, ServerUnavailable
+from ..units import human_bytes
 from .storage_raw import RawClient, RawFile, RawMooncake, RawRedis
 
 BACKENDS = ("file", "redis", "mooncake")

@@ -19,12 +19,13 @@ import zmq
 import zmq.asyncio
 
 from ..protocol import Command, ErrorCode, MsgType, Outcome, Shutdown, Status, encode_body, encode_command
-from ..security import needs_ipv6
+from ..security import CurveClientKeys, KeyFile, needs_ipv6
 from ..zmqio import send_frames
 from .commands import CommandMethods, Fields
 from .core import EngineCore
-from .engine import default_events_endpoint
-from .link import SOCKET_OPTIONS, ClientError, check_ok, read_outcomes
+from .engine import default_events_endpoint, secure_events_socket
+from .events import EventSocket, check_curve_events, curve_per_endpoint
+from .link import _HANDSHAKE_FAILURES, SOCKET_OPTIONS, ClientError, check_ok, handshake_failure_text, read_outcomes
 from .pending import Completion
 
 _PUMP_TICK_S = 0.05
@@ -39,43 +40,59 @@ class AsyncEngineClient(CommandMethods[asyncio.Future[Completion]]):
         name: str = "engine",
         timeout_s: float = 30.0,
         heartbeat_s: float = 1.0,
+        events_group: str | None = None,
+        server_key: KeyFile | Sequence[KeyFile] | None = None,
+        client_key: KeyFile | None = None,
     ) -> None:
+        """The same options as EngineClient: ``events_group`` for daemons that run as another
+        user; ``server_key`` / ``client_key`` (CURVE key files) for daemons on tcp, and then
+        ``events`` may be a tcp address the daemons reach (docs/operations.md, "Access control")."""
+        if not endpoints:
+            raise ValueError("AsyncEngineClient needs at least one daemon endpoint")
+        curve = curve_per_endpoint(endpoints, server_key, client_key)
         self._tmpdir: Path | None = None
         if events is None:
-            events, self._tmpdir = default_events_endpoint()
+            events, self._tmpdir = default_events_endpoint(events_group)
         self.ctx = zmq.asyncio.Context()
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.setsockopt(zmq.RCVHWM, 0)
-        self.pull.bind(events)
-        self.dealers = []
-        for endpoint in endpoints:
-            sock = self.ctx.socket(zmq.DEALER)
-            for option, value in SOCKET_OPTIONS.items():
-                sock.setsockopt(option, value)
-            if needs_ipv6(endpoint):
-                sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(endpoint)
-            self.dealers.append(sock)
+        self.events = EventSocket(self.ctx, events, curve)
+        self.pull = self.events.pull
+        secure_events_socket(events, events_group)
+        self.dealers = [self._dealer(endpoint, keys) for endpoint, keys in zip(endpoints, curve)]
         self.endpoints = list(endpoints)
         # Synchronous twins of the asyncio sockets for non-blocking reads/sends in the pump.
         self._sync: dict[int, zmq.Socket[bytes]] = {
             id(s): zmq.Socket.shadow(s.underlying) for s in (self.pull, *self.dealers)
         }
-        # Connection events: a daemon that dies fails its in-flight commands at once.
-        self.monitors = [s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED) for s in self.dealers]
+        # Connection events: a daemon that dies fails its in-flight commands at once; a
+        # refused CURVE handshake (which looks like silence) is explained at the timeout.
+        watched = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILURES
+        self.monitors = [s.get_monitor_socket(watched) for s in self.dealers]
         self._monitor_reads: list[zmq.Socket[bytes]] = [zmq.Socket.shadow(m.underlying) for m in self.monitors]
+        self._handshake_failed: list[int] = [0 for _ in self.dealers]  # the last failure event per link
         self._held: list[list[tuple[MsgType, dict[str, Any]]]] = [[] for _ in self.dealers]  # until a re-hello
-        self.core = EngineCore(len(endpoints), name, events, timeout_s, heartbeat_s)
+        self.core = EngineCore(len(endpoints), name, self.events.endpoint, timeout_s, heartbeat_s, self.events.key)
         self._futures: dict[int, asyncio.Future[Completion]] = {}
         self._calls: dict[int, asyncio.Future[Outcome]] = {}
         self._pump: asyncio.Task[None] | None = None
+
+    def _dealer(self, endpoint: str, curve: CurveClientKeys | None) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        for option, value in SOCKET_OPTIONS.items():
+            sock.setsockopt(option, value)
+        if needs_ipv6(endpoint):
+            sock.setsockopt(zmq.IPV6, 1)
+        if curve is not None:
+            curve.apply(sock)
+        sock.connect(endpoint)
+        return sock
 
     async def connect(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
         outcomes = [await self._call(i, self.core.hello(), timeout_s) for i in range(len(self.dealers))]
         for outcome in outcomes:
             check_ok(outcome)
         self.core.accept_hellos(outcomes)
+        if self.events.key is not None:
+            check_curve_events([o.result for o in outcomes], self.endpoints)
         return [o.result for o in outcomes]
 
     # Commands (the methods are in CommandMethods) ----------------------------------------
@@ -115,7 +132,9 @@ class AsyncEngineClient(CommandMethods[asyncio.Future[Completion]]):
                     event = int.from_bytes(monitor.recv_multipart(zmq.NOBLOCK)[0][:2], "little")
                 except zmq.Again:
                     break
-                if event == zmq.EVENT_DISCONNECTED:
+                if event & _HANDSHAKE_FAILURES:
+                    self._handshake_failed[index] = event
+                elif event == zmq.EVENT_DISCONNECTED:
                     self._resolve(self.core.link_lost(index))
                 elif self.core.boot_ids[index] is None:
                     self._send_control(index, self.core.hello())
@@ -141,8 +160,10 @@ class AsyncEngineClient(CommandMethods[asyncio.Future[Completion]]):
             await self.dealers[index].send_multipart(encode_command(cmd))
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
+            why = handshake_failure_text(self._handshake_failed[index])
             raise ClientError(
-                ErrorCode.CLIENT_TIMEOUT, f"no reply to {cmd.TYPE.name} from {self.endpoints[index]} in {timeout_s}s"
+                ErrorCode.CLIENT_TIMEOUT,
+                f"no reply to {cmd.TYPE.name} from {self.endpoints[index]} in {timeout_s}s{why}",
             ) from None
         finally:
             self._calls.pop(cmd.req_id, None)
@@ -152,10 +173,13 @@ class AsyncEngineClient(CommandMethods[asyncio.Future[Completion]]):
     async def _run_pump(self) -> None:
         poller = zmq.asyncio.Poller()
         poller.register(self.pull, zmq.POLLIN)
+        if self.events.zap is not None:  # daemons' handshakes with a CURVE event socket
+            poller.register(self.events.zap.sock, zmq.POLLIN)
         for sock in (*self.dealers, *self.monitors):
             poller.register(sock, zmq.POLLIN)
         while True:
             await poller.poll(int(_PUMP_TICK_S * 1000))
+            self.events.serve_handshakes()
             self._watch_connections()
             self._drain_socket(self.pull, None)
             for index, sock in enumerate(self.dealers):
@@ -165,7 +189,7 @@ class AsyncEngineClient(CommandMethods[asyncio.Future[Completion]]):
                 self._send_control(index, cmd)
             self._resolve(self.core.expire())
 
-    def _drain_socket(self, sock: zmq.asyncio.Socket, index: int | None) -> None:
+    def _drain_socket(self, sock: zmq.Socket[Any], index: int | None) -> None:
         for outcome in read_outcomes(self._sync[id(sock)]):  # the pump owns reads
             call = self._calls.get(outcome.req_id)
             if call is not None and index is not None and not call.done():
@@ -194,8 +218,9 @@ class AsyncEngineClient(CommandMethods[asyncio.Future[Completion]]):
         for dealer, monitor in zip(self.dealers, self.monitors):
             dealer.disable_monitor()
             monitor.close(0)
-        for sock in (*self.dealers, self.pull):
+        for sock in self.dealers:
             sock.close(0)
+        self.events.close()
         self.ctx.term()
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)

@@ -34,8 +34,11 @@ _CONTROL_WAIT_S = 0.5
 
 
 class EngineCore:
-    def __init__(self, n_links: int, name: str, events: str, timeout_s: float, heartbeat_s: float) -> None:
+    def __init__(
+        self, n_links: int, name: str, events: str, timeout_s: float, heartbeat_s: float, events_key: str | None = None
+    ) -> None:
         self.name, self.events = name, events
+        self.events_key = events_key  # the CURVE public key of a tcp event socket (protocol 1.2)
         self.timeout_s, self.heartbeat_s = timeout_s, heartbeat_s
         self.boot_ids: list[str | None] = [None] * n_links
         self.rank_of: list[int] = list(range(n_links))  # link index -> daemon rank, from hello
@@ -52,6 +55,7 @@ class EngineCore:
         return Hello(
             req_id=self._control_id(), protocol=[PROTOCOL_MAJOR, PROTOCOL_MINOR],
             client=self.name, role="engine", events=self.events, pid=os.getpid(), batch_events=True,
+            events_key=self.events_key,
         )  # fmt: skip
 
     def awaiting_control(self, now: float) -> bool:

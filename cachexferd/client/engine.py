@@ -30,10 +30,11 @@ from typing import Any
 import zmq
 
 from ..protocol import Command, ErrorCode, MsgType, Outcome, Shutdown, Status
-from ..security import client_keys_or_none, group_id, needs_ipv6
+from ..security import KeyFile, group_id
 from ..zmqio import FdWatch
 from .commands import CommandMethods, Fields
 from .core import EngineCore
+from .events import EventSocket, check_curve_events, curve_per_endpoint
 from .link import ClientError, Link, check_ok, read_outcomes
 from .pending import Completion
 
@@ -70,31 +71,32 @@ class EngineClient(CommandMethods[int]):
         heartbeat_s: float = 1.0,
         autoflush: bool = True,
         events_group: str | None = None,
-        server_key: str | os.PathLike[str] | None = None,
-        client_key: str | os.PathLike[str] | None = None,
+        server_key: KeyFile | Sequence[KeyFile] | None = None,
+        client_key: KeyFile | None = None,
     ) -> None:
         """``events_group``: the daemons run as another user of this group (docs/operations.md,
-        "Access control"); ``server_key`` / ``client_key``: CURVE key files for daemons on tcp."""
+        "Access control"); ``server_key`` / ``client_key``: CURVE key files for daemons on tcp
+        (the daemons' public key: one file for all, or one per endpoint; this client's secret
+        key). With keys, ``events`` may be ``tcp://ADDRESS:PORT`` on an address the daemons
+        reach (port 0: any free port): a CURVE event socket for daemons on other machines."""
         if not endpoints:
             raise ValueError("EngineClient needs at least one daemon endpoint")
-        curve = client_keys_or_none(server_key, client_key)
+        curve = curve_per_endpoint(endpoints, server_key, client_key)
         self._tmpdir: Path | None = None
         if events is None:
             events, self._tmpdir = default_events_endpoint(events_group)
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.setsockopt(zmq.RCVHWM, 0)  # never drop events on our side
-        if needs_ipv6(events):
-            self.pull.setsockopt(zmq.IPV6, 1)
-        self.pull.bind(events)
+        self.events = EventSocket(self.ctx, events, curve)
+        self.pull = self.events.pull
         secure_events_socket(events, events_group)
-        self.links = [Link(self.ctx, endpoint, i, curve) for i, endpoint in enumerate(endpoints)]
-        self.core = EngineCore(len(self.links), name, events, timeout_s, heartbeat_s)
+        self.links = [Link(self.ctx, endpoint, i, keys) for i, (endpoint, keys) in enumerate(zip(endpoints, curve))]
+        self.core = EngineCore(len(self.links), name, self.events.endpoint, timeout_s, heartbeat_s, self.events.key)
         self._ready: list[Completion] = []  # finished while we were waiting for something else
         self.autoflush = autoflush  # False: submit() queues until flush() / poll()
         self._poller = zmq.Poller()  # for waits (poll with a timeout)
         self._poller.register(self.pull, zmq.POLLIN)
+        if self.events.zap is not None:  # daemons' handshakes with a CURVE event socket
+            self._poller.register(self.events.zap.sock, zmq.POLLIN)
         for link in self.links:
             self._poller.register(link.sock, zmq.POLLIN)
             self._poller.register(link.monitor, zmq.POLLIN)
@@ -115,6 +117,8 @@ class EngineClient(CommandMethods[int]):
         for link, outcome in zip(self.links, outcomes):
             link.remember_hello(outcome)
         self._look_everywhere = True
+        if self.events.key is not None:
+            check_curve_events([o.result for o in outcomes], [link.endpoint for link in self.links])
         return [o.result for o in outcomes]
 
     @property
@@ -163,7 +167,9 @@ class EngineClient(CommandMethods[int]):
     # Completion intake ----------------------------------------------------------------
 
     def fileno(self) -> int:
-        """The event socket's fd for selectors. Edge-triggered: call poll() until it returns []."""
+        """The event socket's fd for selectors. Edge-triggered: call poll() until it returns [].
+        Call poll() at least once a second also while waiting: it sends the heartbeats, expires
+        deadlines and, with a CURVE event socket, answers the daemons' connection handshakes."""
         return int(self.pull.getsockopt(zmq.FD))
 
     def poll(self, timeout_ms: int = 0) -> list[Completion]:
@@ -202,6 +208,7 @@ class EngineClient(CommandMethods[int]):
 
     def _drain(self) -> list[Completion]:
         done, self._ready = self._ready, []
+        self.events.serve_handshakes()
         ready, everywhere = self._fds.ready(), self._look_everywhere
         self._look_everywhere = False
         if everywhere or self._pull_fd in ready:
@@ -276,7 +283,7 @@ class EngineClient(CommandMethods[int]):
     def close(self) -> None:
         for link in self.links:
             link.close()
-        self.pull.close(0)
+        self.events.close()
         self.ctx.term()
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)

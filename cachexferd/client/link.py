@@ -188,16 +188,21 @@ class Link:
         """'' or why the daemon refused our CURVE handshake (e.g. our key is not allowed)."""
         if self.monitor.poll(100):  # the monitor's news may trail the failure by a moment
             self.connection_events()
-        if zmq.EVENT_HANDSHAKE_FAILED_AUTH in self._handshake_failures:
-            return ": the daemon refused our CURVE key (not in its access.curve_clients)"
-        if self._handshake_failures:
-            return ": the CURVE handshake failed (wrong daemon public key?)"
-        return ""
+        return handshake_failure_text(self._handshake_failures[-1] if self._handshake_failures else 0)
 
     def close(self) -> None:
         self.sock.disable_monitor()
         self.monitor.close(0)
         self.sock.close(0)
+
+
+def handshake_failure_text(event: int) -> str:
+    """'' or why the daemon refused our CURVE handshake, from a monitor event (0: none)."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return ": the daemon refused our CURVE key (not in its access.curve_clients)"
+    if event:
+        return ": the CURVE handshake failed (wrong daemon public key?)"
+    return ""
 
 
 def check_ok(outcome: Outcome) -> dict[str, Any]:

@@ -1,16 +1,19 @@
 """Keeping a runner's cache attached across daemon restarts, when the runner asks for it.
 
-A restarted daemon has a new boot id and no imports: the runner must attach again. A
-``Reattacher`` does that by itself: a daemon thread with its own connection asks the daemon
-for its status every ``interval_s`` and, when the boot id changed, attaches the cache
-again. It never waits longer than ``timeout_s`` per call, and a daemon that is down is just
-asked again at the next interval. Stop it before detaching for good.
+A restarted daemon has a new boot id, no imports and weights version 0: the runner must
+attach again and put its weights version back. A ``Reattacher`` does that by itself: a
+daemon thread with its own connection asks the daemon for its status every ``interval_s``
+and, when the boot id changed, attaches the cache again with the runner's weights version in
+the ATTACH itself, so no copy can run under version 0 in between. It never waits longer
+than ``timeout_s`` per call, and a daemon that is down is just asked again at the next
+interval. Stop it before detaching for good.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .link import ClientError
@@ -27,12 +30,15 @@ class Reattacher:
         endpoint: str,
         cache: DeviceCacheHandle,
         boot_id: str | None,
+        weights_version: Callable[[], int | None] = lambda: None,
         *,
         interval_s: float = 1.0,
         timeout_s: float = 5.0,
     ) -> None:
-        """``boot_id``: the daemon's boot id when the cache was attached."""
+        """``boot_id``: the daemon's boot id when the cache was attached; ``weights_version``:
+        the version the runner's model runs now (None: never set)."""
         self.endpoint, self.cache, self._attached_boot = endpoint, cache, boot_id
+        self.weights_version = weights_version
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.reattached = 0  # attaches done after a restart
         self._stop = threading.Event()
@@ -47,9 +53,11 @@ class Reattacher:
                 client = client or self._connect()
                 current = str(client.status()["boot_id"])
                 if boot is not None and current != boot:
-                    client.attach(self.cache)
+                    version = self.weights_version()
+                    client.attach(self.cache, weights_version=version)
                     self.reattached += 1
-                    log.info("daemon at %s restarted (boot %s): cache attached again", self.endpoint, current)
+                    log.info("daemon at %s restarted (boot %s): cache attached again (weights version %s)",
+                             self.endpoint, current, version)  # fmt: skip
                 boot = current
             except ClientError as exc:  # down or restarting: ask again at the next interval
                 log.debug("re-attach check at %s: %s", self.endpoint, exc)

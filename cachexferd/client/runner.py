@@ -6,10 +6,14 @@ shared-memory segment; every tensor is ``[num_blocks, block_size, num_kv_heads, 
 
     cache = ShmKVCache(KVLayout(num_layers=32, num_blocks=4096, block_size=16,
                                 num_kv_heads=8, head_dim=128, dtype="bfloat16"))
-    with RunnerClient("ipc:///run/cachexferd/0/cmd.sock") as runner, runner.attached(cache):
+    with RunnerClient("ipc:///run/cachexferd/0/cmd.sock") as runner, runner.attached(cache, reattach=True):
         ...                                   # serve requests; the engine swaps blocks
-        with runner.released(cache):          # RL weight update: the daemon lets go first
-            reload_weights()
+        with runner.weight_update(cache, version=step):   # RL: pause, detach, ...
+            reload_weights()                               # ... set the version, attach, resume
+
+The client remembers the weights version it set (``set_weights``, ``weight_update``) and sends
+it with every attach, so an attach after a daemon restart (by hand, or by the ``reattach``
+keeper) puts the version back before any copy can run: a restarted daemon starts at 0.
 
 Importing this module does not import torch; creating a cache does.
 """
@@ -132,9 +136,29 @@ class ShmKVCache(KVTensors):
         self.close()
 
 
+@contextmanager
+def _step(step: str, state: str) -> Iterator[None]:
+    """One step of a weight update after its block: a ClientError becomes WeightUpdateError."""
+    try:
+        yield
+    except ClientError as exc:
+        raise WeightUpdateError(step, exc, state) from exc
+
+
 def _unlink_quietly(path: str) -> None:
     with suppress(FileNotFoundError):
         os.unlink(path)
+
+
+class WeightUpdateError(ClientError):
+    """A step after the block of ``RunnerClient.weight_update`` failed. ``step`` names it
+    (``set_weights``, ``attach`` or ``resume``); the message says what state the daemon was
+    left in and how to leave it. The runner's new weights version is remembered by the client
+    either way: its next attach carries it."""
+
+    def __init__(self, step: str, cause: ClientError, state: str) -> None:
+        super().__init__(cause.code, f"weight update: {step} failed ({cause.detail}); {state}", cause.rank)
+        self.step, self.cause = step, cause
 
 
 @dataclass
@@ -166,6 +190,9 @@ class RunnerClient:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.link = Link(self.ctx, endpoint, curve=curve)
         self.timeout_s = timeout_s
+        # The weights version this runner's model runs, as far as this client knows (it set
+        # it): sent with every attach, so a restarted daemon gets it back. None: never set.
+        self.weights_version: int | None = None
         self._next = 0
         hello = Hello(
             req_id=self._req_id(),
@@ -190,11 +217,26 @@ class RunnerClient:
     def daemon_info(self) -> dict[str, Any]:
         return self.link.info
 
-    def attach(self, cache: DeviceCacheHandle) -> dict[str, Any]:
+    def attach(self, cache: DeviceCacheHandle, weights_version: int | None = None) -> dict[str, Any]:
+        """Attaches ``cache``; the daemon's weights version becomes ``weights_version`` (default:
+        the version this client last set, if any) in the same step."""
+        version = self.weights_version if weights_version is None else weights_version
+        if version is not None and not self._speaks(1, 2):  # a 1.1 daemon: a SET_WEIGHTS right after
+            result = self._attach(cache, None)
+            self.set_weights(version)
+            return result
+        return self._attach(cache, version)
+
+    def _attach(self, cache: DeviceCacheHandle, weights_version: int | None) -> dict[str, Any]:
         cmd = Attach(
-            req_id=self._req_id(), layout=cache.layout.to_wire(), device=cache.device_handle(), pid=os.getpid()
-        )
+            req_id=self._req_id(), layout=cache.layout.to_wire(), device=cache.device_handle(), pid=os.getpid(),
+            weights_version=weights_version,
+        )  # fmt: skip
         return check_ok(self.link.call(cmd, self.timeout_s))
+
+    def _speaks(self, major: int, minor: int) -> bool:
+        protocol = self.daemon_info.get("protocol") or [PROTOCOL_MAJOR, 0]
+        return bool(protocol[0] == major and protocol[1] >= minor)
 
     def detach(self, drain_timeout_s: float | None = None) -> dict[str, Any]:
         """Returns once the daemon has closed every import: the memory may be freed then."""
@@ -208,7 +250,9 @@ class RunnerClient:
         """Attached for the block; with ``reattach``, attached again by itself after a daemon
         restart (client.reattach.Reattacher), until the block ends."""
         info = self.attach(cache)
-        keeper = Reattacher(self.link.endpoint, cache, self.link.boot_id) if reattach else None
+        keeper = None
+        if reattach:
+            keeper = Reattacher(self.link.endpoint, cache, self.link.boot_id, lambda: self.weights_version)
         try:
             yield info
         finally:
@@ -225,19 +269,24 @@ class RunnerClient:
         return check_ok(self.link.call(Resume(req_id=self._req_id()), self.timeout_s))
 
     def set_weights(self, version: int) -> dict[str, Any]:
-        """Host blocks written before are no longer served (STALE_WEIGHTS); storage names move on."""
+        """Host blocks written before are no longer served (STALE_WEIGHTS); storage names move on.
+        The version is remembered first, so even when this call fails, the next attach sets it."""
+        self.weights_version = version
         return check_ok(self.link.call(SetWeights(req_id=self._req_id(), version=version), self.timeout_s))
 
     @contextmanager
     def weight_update(self, cache: DeviceCacheHandle, version: int | None = None) -> Iterator[WeightUpdate]:
         """An RL weight update: pause -> detach -> (the block frees, reloads and reallocates;
-        set ``update.cache`` to the new cache, whose layout may differ) -> attach -> set the
-        weights version -> resume.
+        set ``update.cache`` to the new cache, whose ``num_blocks`` may differ) -> set the
+        weights version -> attach -> resume.
 
         Every step is one call bounded by this client's timeout, and nothing waits on a flag:
         a daemon that dies or stalls makes the step raise ClientError, never hang. If the
         block (or the detach) raises, the daemon is resumed (best effort) with the cache left
-        detached, and the error propagates."""
+        detached, and the error propagates. If a step after the block fails, it raises
+        WeightUpdateError and leaves the daemon paused, so no copy can mix KV of two versions:
+        an attach the daemon refuses (a cache of another layout) leaves it paused and detached
+        at the new version; attach a cache it accepts, then resume."""
         update = WeightUpdate(cache, version)
         update.paused = self.pause()
         try:
@@ -247,10 +296,22 @@ class RunnerClient:
             with suppress(ClientError):
                 self.resume()
             raise
-        update.attached = self.attach(update.cache)
-        if update.version is not None:
-            self.set_weights(update.version)
-        self.resume()
+        self._finish_update(update)
+
+    def _finish_update(self, update: WeightUpdate) -> None:
+        """set weights -> attach -> resume; a failed step says where it left the daemon."""
+        target = "its weights version" if update.version is None else f"weights version {update.version}"
+        with _step("set_weights", "the daemon is paused and detached (or down); attach the new cache (the attach "
+                   "carries the version), then resume"):  # fmt: skip
+            if update.version is not None:
+                self.set_weights(update.version)
+        with _step("attach", f"the daemon is paused and detached at {target}: attach a cache it accepts, then "
+                   "resume (runner.attach(cache); runner.resume()); a cache of another layout needs a daemon "
+                   "restart first"):  # fmt: skip
+            update.attached = self.attach(update.cache)
+        with _step("resume", f"the cache is attached at {target} but the daemon may still be paused: resume it "
+                   "(runner.resume())"):  # fmt: skip
+            self.resume()
 
     @contextmanager
     def released(self, cache: DeviceCacheHandle) -> Iterator[None]:

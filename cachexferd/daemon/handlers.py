@@ -55,7 +55,9 @@ SyncHandler = Callable[[bytes, Any], Result]
 JobHandler = Callable[[Any], Job]
 
 
-class Handlers(StorageHandlers):
+class Handlers:
+    """Every command's handler; the storage commands' live in a StorageHandlers it holds."""
+
     def __init__(
         self,
         config: Config,
@@ -68,13 +70,15 @@ class Handlers(StorageHandlers):
         request_stop: Callable[[str], None],
         pausing: Pausing,
     ) -> None:
-        super().__init__(device, host, storage, metrics, pausing)
-        self.config, self.sessions = config, sessions
+        self.config, self.device, self.host, self.storage = config, device, host, storage
+        self.sessions, self.metrics, self.pausing = sessions, metrics, pausing
         self._status, self._request_stop = status, request_stop
+        self.storage_commands = StorageHandlers(device, host, storage, metrics, pausing)
         self.sync: dict[MsgType, SyncHandler] = {}
         self.jobs: dict[MsgType, JobHandler] = {}
         for msg_type, cls in COMMANDS.items():
-            handler = getattr(self, f"handle_{cls.name()}")
+            name = f"handle_{cls.name()}"
+            handler = getattr(self, name, None) or getattr(self.storage_commands, name)
             (self.jobs if cls.ASYNC else self.sync)[msg_type] = handler
 
     # Synchronous commands -------------------------------------------------------------
@@ -84,7 +88,7 @@ class Handlers(StorageHandlers):
             raise ProtocolError(
                 ErrorCode.WRONG_VERSION, f"client speaks protocol {cmd.protocol[0]}.x, daemon {PROTOCOL_MAJOR}.x"
             )
-        self.sessions.hello(identity, cmd.client, cmd.role, cmd.events, cmd.pid, cmd.batch_events)
+        self.sessions.hello(identity, cmd.client, cmd.role, cmd.events, cmd.pid, cmd.batch_events, cmd.events_key)
         self.metrics.clients.set(len(self.sessions))
         host = self.host.describe()
         limits = {"max_ids": Limits.MAX_IDS, "max_keys": Limits.MAX_KEYS, "max_body_bytes": Limits.MAX_BODY_BYTES}
@@ -111,7 +115,16 @@ class Handlers(StorageHandlers):
         self, identity: bytes, cmd: Attach, requester: Requester | None = None
     ) -> Awaitable[dict[str, Any]]:
         """``requester``: the access guard's view of the asking peer (the strictest one without)."""
-        return self.device.attach(cmd.layout, cmd.device, cmd.pid, requester or Requester())
+        attaching = self.device.attach(cmd.layout, cmd.device, cmd.pid, requester or Requester())
+        return self._attached(attaching, cmd.weights_version)
+
+    async def _attached(self, attaching: Awaitable[dict[str, Any]], version: int | None) -> dict[str, Any]:
+        """A successful attach that names a weights version puts it in force before its reply
+        is decided, so the commands held behind the attach (the barrier) are judged under it."""
+        result = await attaching
+        if version is not None:
+            self.host.weights_version = version
+        return {**result, "weights_version": self.host.weights_version}
 
     def handle_detach(self, identity: bytes, cmd: Detach) -> Awaitable[dict[str, Any]]:
         timeout = self.config.daemon.drain_timeout_s if cmd.drain_timeout_s is None else cmd.drain_timeout_s
@@ -130,8 +143,6 @@ class Handlers(StorageHandlers):
 
     def handle_set_weights(self, identity: bytes, cmd: SetWeights) -> dict[str, Any]:
         previous, self.host.weights_version = self.host.weights_version, cmd.version
-        if self.storage is not None:
-            self.storage.weights_version = cmd.version
         return {"previous": previous, "version": cmd.version}
 
     # Asynchronous commands ------------------------------------------------------------

@@ -35,7 +35,7 @@ from ..backends.base import Backend
 from ..config import Config
 from ..metrics import DaemonMetrics
 from ..protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR, Command, ErrorCode, Limits, MsgType, ProtocolError
-from ..security import AccessError
+from ..security import AccessError, curve_enabled, load_server_keys
 from ..zmqio import readable, send_frames
 from .access import AccessControl
 from .device import DeviceSlot
@@ -82,12 +82,30 @@ class DaemonError(RuntimeError):
     """The daemon cannot start (bad runtime dir, endpoint in use, ...)."""
 
 
-def _first_missing(path: Path) -> Path | None:
+def first_missing(path: Path) -> Path | None:
     """The outermost directory of ``path`` that does not exist yet (what a start creates)."""
     missing = None
     while not path.exists() and path != path.parent:
         missing, path = path, path.parent
     return missing
+
+
+def _take_lock(path: Path) -> IO[str]:
+    """Opens and locks ``path`` (BlockingIOError: another process holds it). A daemon that
+    stops removes the file while holding the lock; one that waited on that file then holds
+    a lock on a name nobody sees, so it tries again on the file that is there now."""
+    while True:
+        lock = open(path, "a+")  # noqa: SIM115 (held for the process lifetime)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(lock.fileno()).st_ino == os.stat(path).st_ino:
+                return lock
+        except FileNotFoundError:
+            pass  # removed between our open and our check: try again
+        except BaseException:
+            lock.close()
+            raise
+        lock.close()
 
 
 class Daemon:
@@ -108,7 +126,9 @@ class Daemon:
         self.ordering = BlockOrdering()
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.access = AccessControl(config, self.ctx)
-        self.sinks = EventSinks(self.ctx, allow_abstract=config.access.abstract_ipc)
+        # With CURVE keys the daemon can also deliver events to CURVE event sockets (protocol 1.2).
+        event_keys = load_server_keys(config.access.curve_secret_key) if curve_enabled(config.access) else None
+        self.sinks = EventSinks(self.ctx, allow_abstract=config.access.abstract_ipc, curve=event_keys)
         self.sessions = Sessions(self.sinks)
         self.outcomes = Outcomes(self.boot_id, self.rank, self.metrics, self.sessions, self.sinks, self._reply)
         self.device = DeviceSlot(self.backend, self.host, self.ordering, self.metrics, config.daemon, self.spawn)
@@ -133,7 +153,9 @@ class Daemon:
     # Lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        created = _first_missing(self.config.runtime_dir)
+        """Binds and starts serving. A start that fails (or is interrupted) undoes itself:
+        this method is the one owner of that clean-up (docs/operations.md, "Failures")."""
+        created = first_missing(self.config.runtime_dir)
         try:
             self._prepare_runtime_dir()
             # Metrics before the router: a taken port must fail before clients can connect.
@@ -144,12 +166,12 @@ class Daemon:
             self.access.log_warnings()
             if self.storage is not None:
                 self.storage.start()
+            _tune_gc()
+            loop = asyncio.get_running_loop()
+            loop.add_reader(self.router.fileno(), self._schedule_read)
         except BaseException:
             self._undo_start(created)
             raise
-        _tune_gc()
-        loop = asyncio.get_running_loop()
-        loop.add_reader(self.router.fileno(), self._schedule_read)
         self._schedule_read()  # messages may have queued before the reader was added
         self.state = DaemonState.RUNNING
         self.started.set()
@@ -183,7 +205,7 @@ class Daemon:
     def _on_sigint(self) -> None:
         if self.state is DaemonState.DRAINING:
             log.warning("second SIGINT: exiting without draining")
-            self._remove_ipc_file()
+            self._release_runtime_files()
             os._exit(130)
         self.request_stop("SIGINT")
 
@@ -204,9 +226,7 @@ class Daemon:
         self.backend.close()
         if self.storage is not None:
             self.storage.close()
-        self._remove_ipc_file()
-        if self._lock_file is not None:
-            self._lock_file.close()
+        self._release_runtime_files()
         self.state = DaemonState.STOPPED
         log.info("stopped")
 
@@ -233,12 +253,8 @@ class Daemon:
         runtime = self.config.runtime_dir
         try:
             self.access.prepare_runtime_dir(runtime)
-            self._lock_file = open(runtime / "daemon.lock", "a+")  # noqa: SIM115 (held for the process lifetime)
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._lock_file = _take_lock(runtime / "daemon.lock")
         except BlockingIOError:
-            assert self._lock_file is not None
-            self._lock_file.close()
-            self._lock_file = None  # not ours: a failed start must not touch its files
             raise DaemonError(f"another cachexferd is running with runtime dir {runtime}") from None
         except OSError as exc:
             raise DaemonError(f"runtime dir {runtime}: {exc.strerror}") from None
@@ -249,6 +265,16 @@ class Daemon:
         self._lock_file.flush()
         self._remove_ipc_file()  # stale socket of a daemon that died: we hold the lock now
 
+    def _release_runtime_files(self) -> None:
+        """Removes the socket file and the lock file, while the lock is still held (so a
+        daemon starting meanwhile waits, then finds the file gone and takes a new one)."""
+        if self._lock_file is None:
+            return  # not ours: another daemon's files are never touched
+        self._remove_ipc_file()
+        (self.config.runtime_dir / "daemon.lock").unlink(missing_ok=True)
+        self._lock_file.close()
+        self._lock_file = None
+
     def _undo_start(self, created: Path | None) -> None:
         """A failed start leaves nothing behind: no metrics server, socket file, lock file, or
         runtime directory it created. Only files of this process: the lock is ours if held."""
@@ -256,11 +282,10 @@ class Daemon:
         if self.router is not None:
             self.router.close(0)
             self.router = None
-        if self._lock_file is not None:  # we hold the lock: the socket file and lock are ours
-            self._remove_ipc_file()
-            (self.config.runtime_dir / "daemon.lock").unlink(missing_ok=True)
-            self._lock_file.close()
-            self._lock_file = None
+        self.access.close()  # the ZAP handler, if CURVE started one
+        if self.storage is not None:
+            self.storage.close()
+        self._release_runtime_files()
         if created is not None:
             for directory in (self.config.runtime_dir, *self.config.runtime_dir.parents):
                 try:

@@ -3,6 +3,11 @@
 A session is keyed by the ROUTER identity of the client's DEALER. Sessions that name the
 same event endpoint share one PUSH socket (an engine's one PULL socket can serve many
 DEALERs). Sends never block the loop: a full queue drops the event and counts it.
+
+Event endpoints are local (ipc, or tcp on loopback) in plaintext, or (protocol 1.2) any tcp
+address with CURVE: the client names its event socket's public key (``events_key``) and the
+daemon's PUSH connects as a CURVE client with the daemon's own key pair, so an engine on
+another machine receives its events encrypted and knows they come from that daemon.
 """
 
 from __future__ import annotations
@@ -11,14 +16,16 @@ import contextlib
 import logging
 import os
 import re
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
+from zmq.utils import z85
 
 from ..protocol import ErrorCode, ProtocolError
-from ..security import needs_ipv6
+from ..security import AccessError, needs_ipv6, parse_endpoint
 from ..zmqio import send_frames
 from .pidwatch import PidWatch
 
@@ -27,6 +34,7 @@ log = logging.getLogger(__name__)
 MAX_SESSIONS = 256
 ENGINE_EVENTS_PREFIX = "cachexferd-engine-"  # the engine client's private event-socket directories
 _EVENT_ENDPOINT = re.compile(r"^(ipc://.+|tcp://(127\.\d+\.\d+\.\d+|localhost|\[::1\]):\d+)$")
+_Z85_KEY_LEN = 40  # a 32-byte CURVE key in Z85
 _EVENT_HWM = 100_000
 _EVENT_LINGER_MS = 2000  # flush window at shutdown
 
@@ -43,18 +51,44 @@ class Session:
 
 
 class EventSinks:
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], allow_abstract: bool = False) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        allow_abstract: bool = False,
+        curve: tuple[bytes, bytes] | None = None,
+    ) -> None:
         self._ctx = ctx
         self._allow_abstract = allow_abstract  # access.abstract_ipc
+        self._curve = curve  # the daemon's (public, secret) Z85 keys: events to CURVE event sockets
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
+        self._keys: dict[str, str | None] = {}  # endpoint -> the events_key its socket was made for
         # Endpoints no session names any more, kept until the next flush of outcomes: events
         # decided (or batched) before a client's new hello still go where it asked then.
         self._retiring: dict[str, zmq.Socket[bytes]] = {}
 
-    def open(self, endpoint: str) -> None:
-        if not _EVENT_ENDPOINT.match(endpoint):
+    def open(self, endpoint: str, key: str | None = None) -> None:
+        """Makes sure a PUSH socket is connected to ``endpoint`` (ProtocolError BAD_FIELD when
+        the endpoint or key is not acceptable); ``key``: the event socket's CURVE public key."""
+        self._check(endpoint, key)
+        if endpoint in self._sockets and self._keys.get(endpoint) == key:
+            return
+        if endpoint in self._retiring and self._keys.get(endpoint) == key:
+            self._sockets[endpoint] = self._retiring.pop(endpoint)
+            return
+        old = self._sockets.pop(endpoint, None) or self._retiring.pop(endpoint, None)
+        if old is not None:  # the same address, another key: a new engine there
+            old.close(0)
+        self._sockets[endpoint] = self._connect(endpoint, key)
+        self._keys[endpoint] = key
+
+    def _check(self, endpoint: str, key: str | None) -> None:
+        if key is not None:
+            self._check_curve(endpoint, key)
+        elif not _EVENT_ENDPOINT.match(endpoint):
             raise ProtocolError(
-                ErrorCode.BAD_FIELD, f"events endpoint {endpoint!r} must be ipc://PATH or tcp://LOOPBACK:PORT"
+                ErrorCode.BAD_FIELD,
+                f"events endpoint {endpoint!r} must be ipc://PATH or tcp://LOOPBACK:PORT; tcp on another address "
+                "needs events_key (a CURVE event socket)",
             )
         if endpoint.startswith("ipc://@") and not self._allow_abstract:
             raise ProtocolError(
@@ -62,22 +96,40 @@ class EventSinks:
                 f"events endpoint {endpoint!r} is an abstract-namespace socket, which any local user could bind "
                 "first; use a path (or the daemon must set access.abstract_ipc = true)",
             )
-        if endpoint in self._sockets:
-            return
-        if endpoint in self._retiring:
-            self._sockets[endpoint] = self._retiring.pop(endpoint)
-            return
+
+    def _check_curve(self, endpoint: str, key: str) -> None:
+        if self._curve is None:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                "events_key: this daemon has no CURVE keys (access.curve_secret_key), so it cannot connect to a CURVE "
+                "event socket",
+            )
+        try:
+            tcp = parse_endpoint(endpoint).scheme == "tcp"
+        except AccessError:
+            tcp = False
+        if not tcp:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD, f"events_key needs a tcp://HOST:PORT events endpoint, not {endpoint!r}"
+            )
+        if len(key) != _Z85_KEY_LEN or not _decodes_as_z85(key):
+            raise ProtocolError(ErrorCode.BAD_FIELD, "events_key must be a CURVE public key in Z85 (40 characters)")
+
+    def _connect(self, endpoint: str, key: str | None) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(zmq.PUSH)
         if needs_ipv6(endpoint):
             sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.SNDHWM, _EVENT_HWM)
         sock.setsockopt(zmq.LINGER, _EVENT_LINGER_MS)
+        if key is not None and self._curve is not None:
+            sock.curve_serverkey = key.encode()
+            sock.curve_publickey, sock.curve_secretkey = self._curve
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as exc:
             sock.close(0)
             raise ProtocolError(ErrorCode.BAD_FIELD, f"cannot connect events endpoint {endpoint!r}: {exc}") from None
-        self._sockets[endpoint] = sock
+        return sock
 
     def send(self, endpoint: str, frames: list[bytes]) -> bool:
         sock = self._sockets.get(endpoint) or self._retiring.get(endpoint)
@@ -99,8 +151,10 @@ class EventSinks:
     def close_retired(self) -> None:
         """Closes retired sockets once the outcomes decided before are sent; the linger lets
         ZeroMQ deliver what is still queued in them."""
-        for sock in self._retiring.values():
+        for endpoint, sock in self._retiring.items():
             sock.close(_EVENT_LINGER_MS)
+            if endpoint not in self._sockets:
+                self._keys.pop(endpoint, None)
         self._retiring.clear()
 
     def close(self) -> None:
@@ -125,16 +179,27 @@ class Sessions:
         return self._by_identity.get(identity)
 
     def hello(
-        self, identity: bytes, client: str, role: str, events: str | None, pid: int | None, batch_events: bool = False
+        self,
+        identity: bytes,
+        client: str,
+        role: str,
+        events: str | None,
+        pid: int | None,
+        batch_events: bool = False,
+        events_key: str | None = None,
     ) -> Session:
         if events is not None:
-            self.sinks.open(events)
+            self.sinks.open(events, events_key)
         session = self._by_identity.pop(identity, None) or Session(identity)
         session.client, session.role, session.events, session.pid = client, role, events, pid
         session.batch_events = batch_events
         self._by_identity[identity] = session
         self._evict()
-        if pid is not None and role == "engine" and pid not in self._watches and pid != os.getpid():
+        # A pid names a process of this machine only when the engine is here: its events
+        # come to a local socket. An engine elsewhere (tcp events off loopback) has a pid of
+        # its own machine, which must not be watched here.
+        local = events is None or _EVENT_ENDPOINT.match(events) is not None
+        if pid is not None and role == "engine" and local and pid not in self._watches and pid != os.getpid():
             self._watches[pid] = PidWatch(pid, lambda: self._engine_exited(pid))
         return session
 
@@ -165,6 +230,13 @@ class Sessions:
 
     def __len__(self) -> int:
         return len(self._by_identity)
+
+
+def _decodes_as_z85(key: str) -> bool:
+    try:
+        return len(z85.decode(key.encode("ascii"))) == 32
+    except (ValueError, KeyError, UnicodeEncodeError, struct.error):  # not in the alphabet, or out of range
+        return False
 
 
 def _remove_private_events_dir(endpoint: str) -> None:

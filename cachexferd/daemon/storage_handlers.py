@@ -11,6 +11,11 @@ Storage keys are ordered by the same machinery (Access.keys_read / keys_write): 
 delete write their keys, load and lookup read them. So "store K" then "load K" on one daemon
 reads what was stored, and "delete K" then "store K" leaves K stored, while loads and
 lookups of a shared prefix run concurrently.
+
+Weights version. A command's object names are fixed when it is read: the handler captures the
+daemon's weights version at accept time and the work names its objects under it, so a
+STORE read before a SET_WEIGHTS (even one that runs after it, behind a long swap or a
+PAUSE) writes under the version it was read under, and a LOAD read after it never finds it.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ if TYPE_CHECKING:
 
 
 class StorageHandlers:
-    """The storage half of the handlers (the daemon's Handlers class extends it)."""
+    """The handlers of the storage commands (the daemon's Handlers holds one)."""
 
     def __init__(
         self, device: DeviceSlot, host: HostCache, storage: StorageTier | None, metrics: DaemonMetrics, pausing: Pausing
@@ -84,14 +89,15 @@ class StorageHandlers:
     def handle_store(self, cmd: Store) -> Job:
         tier = self._tier()
         block_bytes, fingerprint, cache = self._validate(cmd.keys, cmd.host_ids, cmd.device_ids, writes_keys=True)
-        keys, host_ids, device_ids = cmd.keys, cmd.host_ids, cmd.device_ids
+        keys, host_ids, device_ids, parent = cmd.keys, cmd.host_ids, cmd.device_ids, cmd.parent
+        version = self.host.weights_version  # fixed on arrival, however late the work runs
 
         async def work(cancel: CancelToken) -> dict[str, Any]:
             if cache is not None and device_ids:
                 moved = await cache.swap(Direction.D2H, device_ids, host_ids, cancel)
                 self.metrics.transfer_bytes.labels(Direction.D2H.value).inc(moved)
                 cancel.check()
-            return await tier.store(keys, host_ids, block_bytes, fingerprint, cancel)
+            return await tier.store(keys, host_ids, block_bytes, fingerprint, version, cancel, parent)
 
         if device_ids is None:
             access = Access(host_read=frozenset(host_ids), keys_write=frozenset(keys))
@@ -107,9 +113,10 @@ class StorageHandlers:
         tier = self._tier()
         block_bytes, fingerprint, cache = self._validate(cmd.keys, cmd.host_ids, cmd.device_ids, writes_keys=False)
         keys, host_ids, device_ids = cmd.keys, cmd.host_ids, cmd.device_ids
+        version = self.host.weights_version
 
         async def work(cancel: CancelToken) -> dict[str, Any]:
-            loaded = await tier.load(keys, host_ids, block_bytes, fingerprint, cancel) if keys else 0
+            loaded = await tier.load(keys, host_ids, block_bytes, fingerprint, version, cancel) if keys else 0
             result: dict[str, Any] = {"loaded": loaded, "bytes": loaded * block_bytes}
             if cache is not None and device_ids and loaded:
                 cancel.check()
@@ -126,18 +133,18 @@ class StorageHandlers:
 
     def handle_lookup(self, cmd: Lookup) -> Job:
         tier = self._tier()
-        keys = cmd.keys
+        keys, version = cmd.keys, self.host.weights_version
 
         async def work(cancel: CancelToken) -> dict[str, Any]:
-            return {"prefix": await tier.lookup(keys, cancel)}
+            return {"prefix": await tier.lookup(keys, version, cancel)}
 
         return Job(Access(keys_read=frozenset(keys)), work)
 
     def handle_delete(self, cmd: Delete) -> Job:
         tier = self._tier()
-        keys = cmd.keys
+        keys, version = cmd.keys, self.host.weights_version
 
         async def work(cancel: CancelToken) -> dict[str, Any]:
-            return {"deleted": await tier.delete(keys, cancel)}
+            return {"deleted": await tier.delete(keys, version, cancel)}
 
         return Job(Access(keys_write=frozenset(keys)), work)

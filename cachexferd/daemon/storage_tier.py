@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..protocol import ErrorCode, ProtocolError
 from ..storage.base import (
+    NO_ROOM,
     GetItem,
     GetResult,
     GetStatus,
@@ -36,8 +37,9 @@ from ..storage.base import (
     StorageFailure,
     StorageTimeoutError,
     StorageUnavailable,
+    stamps,
 )
-from ..storage.objects import Checksum, ObjectCodec, Verdict
+from ..storage.objects import Checksum, ObjectCodec, Verdict, object_name
 from .jobs import HoldBlocks
 
 if TYPE_CHECKING:
@@ -118,31 +120,34 @@ class StorageTier:
         self.timeout_s = config.timeout_s
         self.checksum = Checksum[config.checksum.upper()]  # of new objects; loads verify either kind
         self.io = IOPool(config.io_threads)
-        self.weights_version = 0
         self.shard_limit = min(config.io_threads, backend.max_shards or config.io_threads)
 
     def start(self) -> None:
         self.io.submit(self.backend.start)
 
-    def name_of(self, key: str) -> str:
-        """The object name of a key: scoped by ``storage.namespace`` and, once a weights
-        version is set (SET_WEIGHTS), by that version, so KV of other weights never matches."""
-        scoped = f"w{self.weights_version}/{key}" if self.weights_version else key
-        return f"{self.config.namespace}/{scoped}" if self.config.namespace else scoped
+    def name_of(self, key: str, version: int) -> str:
+        """The object name of ``key`` for a command read under weights ``version``
+        (``[namespace/]w<version>/<key>``): KV of other weights never matches."""
+        return object_name(key, version, self.config.namespace)
 
     # Commands ---------------------------------------------------------------------------
 
     async def store(
-        self, keys: Sequence[str], host_ids: Sequence[int], block_bytes: int, fingerprint: str, cancel: CancelToken
-    ) -> dict[str, Any]:
+        self, keys: Sequence[str], host_ids: Sequence[int], block_bytes: int, fingerprint: str, version: int,
+        cancel: CancelToken, parent: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Writes the keys' objects, one chain head first (``parent``: the key before
+        ``keys[0]`` in its chain). ``stored`` counts the leading objects a LOAD can deliver
+        when the result is built."""
         codec = ObjectCodec(fingerprint, block_bytes, self.checksum)
-        names = [self.name_of(k) for k in keys]
-
-        def call(part: slice) -> Call[list[str | None]]:
-            return lambda stop: self._put(names[part], host_ids[part], codec, stop)
-
-        parts = shards(len(keys), block_bytes, self.shard_limit)
-        reasons = [r for chunk in await self._run("store", [call(p) for p in parts], cancel) for r in chunk]
+        names = [self.name_of(k, version) for k in keys]
+        try:
+            room = await self._begin_store(names, codec, cancel)
+            reasons = await self._put_chain(names[:room], host_ids, codec, version, parent, cancel)
+        finally:
+            if self.backend.reserves_room and names:  # quick (memory only), but it takes the index lock
+                self.io.submit(functools.partial(self.backend.end_store, names))
+        reasons += [NO_ROOM] * (len(names) - room)
         stored = next((i for i, r in enumerate(reasons) if r is not None), len(reasons))
         failed = [r for r in reasons if r is not None]
         if failed:
@@ -150,19 +155,45 @@ class StorageTier:
             log.warning("store: %d of %d objects not written (first: %s)", len(failed), len(keys), failed[0])
         if failed and stored == 0 and len(failed) == len(keys):
             raise ProtocolError(ErrorCode.STORAGE_ERROR, f"no object was written: {failed[0]}")
+        if stored and self.backend.drops_writes:  # the store may have evicted some already
+            (present,) = await self._run("store", [lambda stop: self.backend.exists(names[:stored])], cancel, False)
+            stored = next((i for i, there in enumerate(present) if not there), stored)
         written = len(keys) - len(failed)
         self.metrics.transfer_bytes.labels("store").inc(written * block_bytes)
         return {"stored": stored, "failed": len(failed), "bytes": written * block_bytes}
 
+    async def _begin_store(self, names: list[str], codec: ObjectCodec, cancel: CancelToken) -> int:
+        """How many leading objects the store has room for (all, unless it ``reserves_room``)."""
+        if not self.backend.reserves_room or not names:
+            return len(names)
+        calls = [lambda stop: self.backend.begin_store(names, codec.object_bytes)]
+        (room,) = await self._run("store", calls, cancel, False)
+        return int(room)
+
+    async def _put_chain(
+        self, names: list[str], host_ids: Sequence[int], codec: ObjectCodec, version: int, parent: str | None,
+        cancel: CancelToken,
+    ) -> list[str | None]:  # fmt: skip
+        links = [None if parent is None else self.name_of(parent, version), *names[:-1]]
+        used = stamps(len(names))
+
+        def call(part: slice) -> Call[list[str | None]]:  # the items are built on the I/O thread
+            return lambda stop: self.backend.put(self._put_items(names, host_ids, links, used, part, codec), stop)
+
+        parts = shards(len(names), codec.block_bytes, self.shard_limit)
+        return [r for chunk in await self._run("store", [call(p) for p in parts], cancel) for r in chunk]
+
     async def load(
-        self, keys: Sequence[str], host_ids: Sequence[int], block_bytes: int, fingerprint: str, cancel: CancelToken
-    ) -> int:
+        self, keys: Sequence[str], host_ids: Sequence[int], block_bytes: int, fingerprint: str, version: int,
+        cancel: CancelToken,
+    ) -> int:  # fmt: skip
         """Reads objects into host blocks; returns the length of the delivered prefix."""
         codec = ObjectCodec(fingerprint, block_bytes, self.checksum)
-        names = [self.name_of(k) for k in keys]
+        names = [self.name_of(k, version) for k in keys]
+        links, used = [None, *names[:-1]], stamps(len(names))
 
         def call(part: slice) -> Call[list[str]]:
-            return lambda stop: self._get(names[part], host_ids[part], codec, stop)
+            return lambda stop: self._get(names, host_ids, links, used, part, codec, stop)
 
         parts = shards(len(keys), block_bytes, self.shard_limit)
         outcome = LoadOutcome([s for chunk in await self._run("load", [call(p) for p in parts], cancel) for s in chunk])
@@ -174,15 +205,15 @@ class StorageTier:
         self.metrics.transfer_bytes.labels("load").inc(delivered * block_bytes)
         return delivered
 
-    async def lookup(self, keys: Sequence[str], cancel: CancelToken) -> int:
-        names = [self.name_of(k) for k in keys]
+    async def lookup(self, keys: Sequence[str], version: int, cancel: CancelToken) -> int:
+        names = [self.name_of(k, version) for k in keys]
         if not names:
             return 0
         (found,) = await self._run("lookup", [lambda stop: self.backend.exists(names)], cancel)
         return next((i for i, present in enumerate(found) if not present), len(found))
 
-    async def delete(self, keys: Sequence[str], cancel: CancelToken) -> int:
-        names = [self.name_of(k) for k in keys]
+    async def delete(self, keys: Sequence[str], version: int, cancel: CancelToken) -> int:
+        names = [self.name_of(k, version) for k in keys]
         if not names:
             return 0
         (removed,) = await self._run("delete", [lambda stop: self.backend.delete(names)], cancel)
@@ -194,17 +225,26 @@ class StorageTier:
         offset = host_id * block_bytes
         return self.pool.memory(offset, block_bytes), self.pool.address + offset
 
-    def _put(
-        self, names: list[str], host_ids: Sequence[int], codec: ObjectCodec, stop: threading.Event
-    ) -> list[str | None]:
+    def _put_items(
+        self, names: list[str], host_ids: Sequence[int], links: list[str | None], used: list[int], part: slice,
+        codec: ObjectCodec,
+    ) -> list[PutItem]:  # fmt: skip
         # Backends check ``stop`` before each object and compute its header (the checksum
         # pass) only then: a block the engine may have reused since is never checksummed.
-        items = [PutItem(name, *self._view(h, codec.block_bytes), codec.header) for name, h in zip(names, host_ids)]
-        return self.backend.put(items, stop)
+        return [
+            PutItem(names[i], *self._view(host_ids[i], codec.block_bytes), codec.header, links[i], used[i])
+            for i in range(part.start, part.stop)
+        ]
 
-    def _get(self, names: list[str], host_ids: Sequence[int], codec: ObjectCodec, stop: threading.Event) -> list[str]:
+    def _get(
+        self, names: list[str], host_ids: Sequence[int], links: list[str | None], used: list[int], part: slice,
+        codec: ObjectCodec, stop: threading.Event,
+    ) -> list[str]:  # fmt: skip
         verify = functools.partial(_verify, codec)
-        items = [GetItem(name, *self._view(h, codec.block_bytes), verify) for name, h in zip(names, host_ids)]
+        items = [
+            GetItem(names[i], *self._view(host_ids[i], codec.block_bytes), verify, links[i], used[i])
+            for i in range(part.start, part.stop)
+        ]
         statuses: list[str] = []
         problems: list[str] = []  # logged once per call: a bad batch must not flood the log
         for item, got in zip(items, self.backend.get(items, stop)):
@@ -217,8 +257,9 @@ class StorageTier:
 
     # Waiting ----------------------------------------------------------------------------
 
-    async def _run(self, op: str, calls: list[Call[T]], cancel: CancelToken) -> list[T]:
-        """Runs the calls on the I/O threads; maps every failure to a storage error code."""
+    async def _run(self, op: str, calls: list[Call[T]], cancel: CancelToken, count: bool = True) -> list[T]:
+        """Runs the calls on the I/O threads; maps every failure to a storage error code.
+        ``count``: this is the command's main call (one ``storage_operations`` sample)."""
         stop = threading.Event()
         futures = [asyncio.wrap_future(self.io.submit(functools.partial(call, stop))) for call in calls]
         try:
@@ -242,7 +283,8 @@ class StorageTier:
                 log.error("%s: %d storage calls still running after the grace period", op, len(stuck))
                 raise HoldBlocks(error.code, error.detail, asyncio.gather(*stuck, return_exceptions=True)) from None
             raise error from None
-        self.metrics.storage_ops.labels(op, "ok").inc()
+        if count:
+            self.metrics.storage_ops.labels(op, "ok").inc()
         return results
 
     async def _wait(self, futures: list[asyncio.Future[Any]], cancel: CancelToken) -> None:

@@ -184,10 +184,18 @@ def batch_items(body: dict[str, Any]) -> list[Any]:
     return items
 
 
+def _item_req_id(item: Any) -> int:
+    """The req_id of a malformed batch item: that of the item itself when it is a map, else of
+    the first map in it (docs/protocol.md §14.1); 0 when there is none."""
+    maps = [item] if type(item) is dict else [x for x in item if type(x) is dict] if type(item) is list else []
+    return _peek_req_id(maps[0]) if maps else 0
+
+
 def batch_item(item: Any) -> Command:
     """One BATCH item, ``[type, body]``, as a Command. Envelopes do not nest."""
     if type(item) is not list or len(item) != 2 or type(item[0]) is not int or type(item[1]) is not dict:
-        raise ProtocolError(ErrorCode.BAD_FIELD, "a batch item must be [type, body map]", 0, MsgType.BATCH)
+        detail = "a batch item must be [type, body map]"
+        raise ProtocolError(ErrorCode.BAD_FIELD, detail, _item_req_id(item), MsgType.BATCH)
     msg_type, body = item
     if msg_type == MsgType.BATCH:
         raise ProtocolError(ErrorCode.BAD_FIELD, "batches do not nest", _peek_req_id(body), msg_type)

@@ -10,7 +10,7 @@ from enum import IntEnum
 
 MAGIC = b"CX"
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1  # 1.1: BATCH envelope and EVENT_BATCH (negotiated in HELLO)
+PROTOCOL_MINOR = 2  # 1.1: BATCH and EVENT_BATCH, PAUSE/RESUME/SET_WEIGHTS; 1.2: optional fields (docs/protocol.md §11)
 HEADER_LEN = 4  # MAGIC (2 bytes) + major (u8) + message type (u8)
 
 

@@ -20,6 +20,14 @@ ROLES = frozenset({"engine", "runner", "tool"})
 STORAGE_SOURCES = frozenset({"host", "device"})
 
 
+def _one_key(name: str, value: Any) -> str:
+    """One storage key, checked like an entry of ``keys``."""
+    if type(value) is not str:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be a key (a string)")
+    key: str = f.key_list(1)(name, [value])[0]
+    return key
+
+
 def _spec(check: f.Check, default: Any = MISSING) -> Any:
     if default is MISSING:
         return field(metadata={"check": check})
@@ -66,6 +74,9 @@ class Hello(Command):
     pid: int | None = _spec(f.optional(f.integer(1, 1 << 31)), None)
     # Protocol 1.1: deliver this client's events in EVENT_BATCH messages.
     batch_events: bool = _spec(f.boolean(), False)
+    # Protocol 1.2: the Z85 CURVE public key of the client's event socket, a CURVE server on
+    # tcp (any address): the daemon's PUSH connects to it as a CURVE client.
+    events_key: str | None = _spec(f.optional(f.text(40)), None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +95,9 @@ class Attach(Command):
     layout: dict[str, Any] = _spec(f.mapping())  # KVLayout.to_wire()
     device: dict[str, Any] = _spec(f.mapping())  # backend-specific handles, see docs/protocol.md
     pid: int | None = _spec(f.optional(f.integer(1, 1 << 31)), None)  # watched: its exit detaches
+    # Protocol 1.2: the weights version the runner's model runs, in force as the attach
+    # succeeds (a re-attach after a daemon restart restores it before any copy can run).
+    weights_version: int | None = _spec(f.optional(f.integer(0, (1 << 63) - 1)), None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,6 +167,9 @@ class Store(Command):
     keys: list[str] = _spec(f.key_list())
     host_ids: list[int] = _spec(f.int_list())
     device_ids: list[int] | None = _spec(f.optional(f.int_list()), None)
+    # Protocol 1.2: the key before keys[0] in its chain, when this STORE extends a chain stored
+    # earlier (an eviction hint: chain tails are evicted before heads).
+    parent: str | None = _spec(f.optional(_one_key), None)
 
 
 @dataclass(frozen=True, kw_only=True)

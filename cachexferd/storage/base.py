@@ -16,16 +16,35 @@ Failure model:
 
 ``stop`` is set when the daemon no longer wants a call's result (timeout, cancel): a backend
 checks it between objects and must not write into host memory once it is set.
+
+Chains. The objects of one STORE or LOAD are one chain of KV blocks, head first: each item
+names the object before it (``parent``) and carries a last-use ``stamp`` (head newest).
+Backends that evict on their own order (file) use both to evict chain tails before heads;
+before a STORE's puts the daemon calls ``begin_store`` (room for how many leading objects)
+and after them ``end_store``. Backends whose store evicts by its own policy while a STORE
+writes (Redis ``maxmemory``, Mooncake) set ``drops_writes``: the daemon then checks which
+written objects are still there before it reports them stored.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
+
+NO_ROOM = "no room: the store is full of objects of stores still running (storage.capacity or the file system)"
+_STAMP_STEP_NS = 1000  # between neighbours of one command (1 µs: file systems keep µs at least)
+
+
+def stamps(count: int, now_ns: int | None = None) -> list[int]:
+    """Last-use times for a command's ``count`` objects, head first: the head is the most
+    recent, so least-recently-used eviction without links still takes the tail first."""
+    base = time.time_ns() if now_ns is None else now_ns
+    return [base - i * _STAMP_STEP_NS for i in range(count)]
 
 
 class StorageUnavailable(Exception):
@@ -70,6 +89,8 @@ class PutItem:
     payload: memoryview  # one host block, read-only use
     address: int  # pointer to payload
     make_header: HeaderFn
+    parent: str | None = None  # the object before this one in its chain (None: a head, or not known)
+    stamp: int = 0  # last use, ns since the epoch (0: now)
 
     def header(self) -> bytes:
         return self.make_header(self.name, self.payload)
@@ -84,6 +105,8 @@ class GetItem:
     payload: memoryview  # one host block to fill
     address: int  # pointer to payload
     verify: VerifyFn | None = None
+    parent: str | None = None  # the object before this one in the LOAD's chain
+    stamp: int = 0  # last use, ns since the epoch (0: now)
 
     def landed(self, result: GetResult) -> GetResult:
         if self.verify is None or result.status is not GetStatus.OK:
@@ -96,9 +119,22 @@ class StorageBackend(ABC):
     # How many calls one command's objects may be split into (None: storage.io_threads).
     # Backends whose client parallelises a batch itself (Mooncake) want 1.
     max_shards: int | None = None
+    # The store may evict objects by its own policy while a STORE writes (the daemon checks).
+    drops_writes: bool = False
+    # The backend makes room for a STORE in ``begin_store`` (and pins its objects until ``end_store``).
+    reserves_room: bool = False
 
     def start(self) -> None:  # noqa: B027 - optional hook
         """Begins connecting (in the background for remote stores); never blocks for long."""
+
+    def begin_store(self, names: list[str], object_bytes: int) -> int:
+        """Before a STORE's puts (``reserves_room`` backends): makes room, never by evicting
+        objects of stores still running, keeps ``names`` from eviction until ``end_store``, and
+        returns how many leading objects fit (the daemon writes only those)."""
+        return len(names)
+
+    def end_store(self, names: list[str]) -> None:  # noqa: B027 - optional hook
+        """After the STORE's puts have returned (or were abandoned)."""
 
     @abstractmethod
     def put(self, items: list[PutItem], stop: threading.Event) -> list[str | None]:

@@ -16,12 +16,13 @@ are renamed into place, so readers on any machine see a whole object or none. Re
 the last rename wins and both wrote the same content-addressed bytes.
 
 The directory is durable (by default under systemd's StateDirectory, shared by every rank
-on the host) and bounded by ``storage.capacity``: an in-memory index of object sizes in
-least-recently-used order, built by scanning the directory in the background at start and
-every few minutes (which also picks up what other daemons sharing it wrote), evicts the
-least recently used objects on a put that takes it past the limit, down to 90% of it. A
-read sets the object's mtime, so the order survives restarts and is the same for every
-daemon that scans the directory. The directory is created on first use.
+on the host) and bounded by ``storage.capacity`` and by its file system's free space: an
+in-memory index (eviction.py), built by scanning the directory in the background at start
+and every few minutes (which also picks up what other daemons sharing it wrote), makes room
+before a store writes by evicting chain tails, least recently used first, down to 90% of
+the capacity, and never an object of a store still running. A read sets the object's mtime,
+so the order survives restarts and is the same for every daemon that scans the directory.
+The directory is created on first use.
 """
 
 from __future__ import annotations
@@ -34,11 +35,21 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .base import MISSING, GetItem, GetResult, GetStatus, PutItem, StorageBackend, StorageFailure, StorageUnavailable
+from .base import (
+    MISSING,
+    NO_ROOM,
+    GetItem,
+    GetResult,
+    GetStatus,
+    PutItem,
+    StorageBackend,
+    StorageFailure,
+    StorageUnavailable,
+)
+from .eviction import EvictionIndex
 from .objects import HEADER_BYTES
 
 if TYPE_CHECKING:
@@ -52,7 +63,6 @@ _STALE_TMP_S = 3600.0  # temp files older than this were left by a crashed write
 _OBJECT_MODE = 0o640
 _DIR_MODE = 0o750
 _RESCAN_S = 600.0  # how often the index re-reads the directory (other writers, drift)
-_LOW_WATER = 0.9  # eviction frees down to this fraction of the capacity
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -62,75 +72,14 @@ def object_path(root: str, name: str) -> str:
     return f"{root}/{digest[:2]}/{digest[2:4]}/{digest}"
 
 
-class LruIndex:
-    """Sizes of the objects in the directory, least recently used first; thread-safe.
-
-    Each entry also keeps its last-use time (wall clock, like a file's mtime) so a rescan of
-    the directory can be merged in without losing what this process did meanwhile."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.total = 0
-        self.evicted = 0
-        self.scanned = False  # the first scan has finished: eviction knows the whole directory
-        self._entries: OrderedDict[str, tuple[int, float]] = OrderedDict()  # path -> (bytes, last use)
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def used(self, path: str, size: int) -> None:
-        """``path`` (``size`` bytes) was just written or read: it becomes the most recent."""
-        with self._lock:
-            old = self._entries.pop(path, None)
-            self.total += size - (old[0] if old else 0)
-            self._entries[path] = (size, time.time())
-
-    def discard(self, path: str) -> None:
-        with self._lock:
-            old = self._entries.pop(path, None)
-            if old:
-                self.total -= old[0]
-
-    def victims(self, need: int = 0) -> list[str]:
-        """Removes and returns the least recently used paths to free: down to the low-water
-        mark when over the capacity, and at least ``need`` bytes (a full disk)."""
-        out: list[str] = []
-        with self._lock:
-            over = self.total - int(self.capacity * _LOW_WATER) if self.capacity and self.total > self.capacity else 0
-            target = max(over, need)
-            if not self.scanned and not need:
-                return out  # not knowing the whole directory yet, the order would be wrong
-            freed = 0
-            while freed < target and self._entries:
-                path, (size, _) = self._entries.popitem(last=False)
-                freed += size
-                out.append(path)
-            self.total -= freed
-            self.evicted += len(out)
-        return out
-
-    def merge(self, scanned: list[tuple[str, int, float]], started: float) -> None:
-        """Replaces the index by a directory scan begun at ``started`` (wall clock), keeping
-        entries this process used since (the scan may have missed them)."""
-        with self._lock:
-            merged = {path: (size, mtime) for path, size, mtime in scanned}
-            for path, (size, used) in self._entries.items():
-                if path in merged or used >= started:
-                    merged[path] = (size, max(used, merged.get(path, (0, 0.0))[1]))
-            order = sorted(merged.items(), key=lambda item: item[1][1])
-            self._entries = OrderedDict(order)
-            self.total = sum(size for _, (size, _) in order)
-            self.scanned = True
-
-
 class FileBackend(StorageBackend):
     name = "file"
+    reserves_room = True
 
     def __init__(self, root: Path, fsync: bool = False, capacity: int = 0) -> None:
         self.root = root
         self.fsync = fsync
-        self.index = LruIndex(capacity)
+        self.index = EvictionIndex(capacity)
         self._root = str(root)
         self._tmp = str(root / _TMP_DIR)
         self._made: set[str] = set()  # fan-out dirs known to exist (set ops are atomic under the GIL)
@@ -147,6 +96,7 @@ class FileBackend(StorageBackend):
         if os.path.isdir(self._root):
             self._remove_stale_temps()
         elif not _creatable(self.root):
+            self._error = "cannot be created by this user"  # what status shows until it can be
             log.warning("storage directory %s cannot be created by this user; storage commands fail until it can",
                         self.root)  # fmt: skip
         self._scanner = threading.Thread(target=self._scan_loop, name="storage-file-index", daemon=True)
@@ -157,6 +107,9 @@ class FileBackend(StorageBackend):
             return
         with self._lock:
             try:
+                # makedirs gives only the last directory its mode: the storage directory
+                # itself (and any parent it creates) must not be left to the umask.
+                _make_private_dirs(self.root)
                 os.makedirs(self._tmp, mode=_DIR_MODE, exist_ok=True)
             except OSError as exc:
                 self._error = exc.strerror or str(exc)
@@ -175,7 +128,7 @@ class FileBackend(StorageBackend):
 
     def rescan(self) -> None:
         """Reads every object's size and mtime, merges them into the index, evicts if over."""
-        started = time.time()
+        started = time.time_ns()
         scanned = list(_scan_objects(self._root))
         self.index.merge(scanned, started)
         self._evict(self.index.victims())
@@ -203,31 +156,73 @@ class FileBackend(StorageBackend):
 
     # Writing ------------------------------------------------------------------------------
 
-    def put(self, items: list[PutItem], stop: threading.Event) -> list[str | None]:
+    def begin_store(self, names: list[str], object_bytes: int) -> int:
+        """Pins the store's objects, evicts other chain tails to make room for them (capacity
+        and free space), and returns how many leading objects fit."""
         self._ensure_root()
+        paths = [object_path(self._root, name) for name in names]
+        free, block = self._disk_space()
+        room, victims = self.index.reserve(paths, object_bytes, free, block)
+        self._evict(victims)
+        return room
+
+    def end_store(self, names: list[str]) -> None:
+        self.index.release([object_path(self._root, name) for name in names])
+
+    def _disk_space(self) -> tuple[int | None, int]:
+        """(bytes free for this user, block size) of the file system; None when it cannot say."""
+        try:
+            st = os.statvfs(self._root)
+        except OSError:
+            return None, 1
+        if not st.f_blocks or not st.f_frsize:  # some virtual file systems report nothing
+            return None, 1
+        return st.f_bavail * st.f_frsize, st.f_frsize
+
+    def put(self, items: list[PutItem], stop: threading.Event) -> list[str | None]:
+        """Writes the items in order; a call outside begin_store/end_store makes its own room."""
+        self._ensure_root()
+        if not items:
+            return []
+        paths = [object_path(self._root, item.name) for item in items]
+        own = not self.index.pinned(paths[0])
+        room = self.begin_store([i.name for i in items], HEADER_BYTES + len(items[0].payload)) if own else len(items)
+        try:
+            return self._put_all(items, paths, room, stop)
+        finally:
+            if own:
+                self.index.release(paths)
+
+    def _put_all(self, items: list[PutItem], paths: list[str], room: int, stop: threading.Event) -> list[str | None]:
         reasons: list[str | None] = []
-        for item in items:
+        full = False
+        for i, (item, path) in enumerate(zip(items, paths)):
             if stop.is_set():
                 reasons.append("stopped")
-                continue
-            reasons.append(self._put_one(item))
+            elif i >= room or full:
+                reasons.append(NO_ROOM)
+            else:
+                reason, full = self._put_one(item, path)
+                reasons.append(reason)
         return reasons
 
-    def _put_one(self, item: PutItem) -> str | None:
-        final = object_path(self._root, item.name)
+    def _put_one(self, item: PutItem, final: str) -> tuple[str | None, bool]:
+        """(None or why not written, whether the file system is full with nothing left to evict)."""
         size = HEADER_BYTES + len(item.payload)
         try:
             self._write(item, final)
         except OSError as exc:
-            if exc.errno not in _NO_SPACE or not self._make_room(8 * size):
-                return self._put_failed(exc)
+            if exc.errno not in _NO_SPACE:
+                return self._put_failed(exc), False
+            if not self._make_room(8 * size):
+                return self._put_failed(exc), True
             try:  # the disk filled before the capacity did: room was made, once more
                 self._write(item, final)
             except OSError as again:
-                return self._put_failed(again)
-        self.index.used(final, size)
-        self._evict(self.index.victims())
-        return None
+                return self._put_failed(again), again.errno in _NO_SPACE
+        parent = object_path(self._root, item.parent) if item.parent is not None else None
+        self.index.used(final, size, item.stamp, parent)
+        return None, False
 
     def _write(self, item: PutItem, final: str) -> None:
         tmp = f"{self._tmp}/{final[-32:]}.{os.getpid()}.{next(self._serial)}"
@@ -235,6 +230,8 @@ class FileBackend(StorageBackend):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _OBJECT_MODE)
             try:
                 _write_all(fd, [item.header(), item.payload])
+                if item.stamp:  # the eviction order on disk: a chain's head is its newest object
+                    os.utime(fd, ns=(item.stamp, item.stamp))
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -290,12 +287,13 @@ class FileBackend(StorageBackend):
         header = bytearray(HEADER_BYTES)
         try:
             received = _read_object(fd, header, item.payload)
-            _mark_used(fd)
+            _mark_used(fd, item.stamp)
         except OSError as exc:
             return GetResult(GetStatus.FAILED, detail=exc.strerror or str(exc))
         finally:
             os.close(fd)
-        self.index.used(object_path(self._root, item.name), received)
+        parent = object_path(self._root, item.parent) if item.parent is not None else None
+        self.index.used(object_path(self._root, item.name), received, item.stamp, parent)
         return GetResult(GetStatus.OK, bytes(header), received)
 
     def exists(self, names: list[str]) -> list[bool]:
@@ -371,9 +369,9 @@ def _read_object(fd: int, header: bytearray, payload: memoryview) -> int:
     return total
 
 
-def _scan_objects(root: str) -> list[tuple[str, int, float]]:
-    """(path, bytes, mtime) of every object under ``root``'s two fan-out levels."""
-    found: list[tuple[str, int, float]] = []
+def _scan_objects(root: str) -> list[tuple[str, int, int]]:
+    """(path, bytes, mtime in ns) of every object under ``root``'s two fan-out levels."""
+    found: list[tuple[str, int, int]] = []
     for first in _subdirs(root):
         for second in _subdirs(first):
             with contextlib.suppress(OSError), os.scandir(second) as entries:
@@ -381,7 +379,7 @@ def _scan_objects(root: str) -> list[tuple[str, int, float]]:
                     with contextlib.suppress(OSError):  # removed while we looked
                         if entry.is_file(follow_symlinks=False):
                             st = entry.stat(follow_symlinks=False)
-                            found.append((entry.path, st.st_size, st.st_mtime))
+                            found.append((entry.path, st.st_size, st.st_mtime_ns))
     return found
 
 
@@ -393,11 +391,27 @@ def _subdirs(path: str) -> list[str]:
         return []
 
 
-def _mark_used(fd: int) -> None:
-    """Sets the object's mtime to now: the least-recently-used order on disk. Objects owned by
-    another user (a shared directory) may refuse; the in-memory order still counts the use."""
+def _mark_used(fd: int, stamp: int) -> None:
+    """Sets the object's mtime to ``stamp`` (ns; 0: now): the least-recently-used order on
+    disk. Objects owned by another user (a shared directory) may refuse; the in-memory order
+    still counts the use."""
     with contextlib.suppress(OSError):
-        os.utime(fd)
+        if stamp:
+            os.utime(fd, ns=(stamp, stamp))
+        else:
+            os.utime(fd)
+
+
+def _make_private_dirs(path: Path) -> None:
+    """Creates ``path`` and its missing parents with _DIR_MODE (whatever the umask)."""
+    missing = []
+    while not path.is_dir() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another daemon on the directory was first
+            directory.mkdir(mode=_DIR_MODE)
+            os.chmod(directory, _DIR_MODE)
 
 
 def _creatable(path: Path) -> bool:

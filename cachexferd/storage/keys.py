@@ -165,9 +165,14 @@ class KeySpace:
     def keys(self, blocks: Sequence[BlockHash], rank: int = 0) -> list[str]:
         return [self.key(b, rank) for b in blocks]
 
-    def keys_by_rank(self, blocks: Sequence[BlockHash]) -> Callable[[int], dict[str, Any]]:
-        """Per-rank keys in the form EngineClient.store/load/lookup/delete accept."""
-        return lambda rank: {"keys": self.keys(blocks, rank)}
+    def keys_by_rank(
+        self, blocks: Sequence[BlockHash], parent: BlockHash | None = None
+    ) -> Callable[[int], dict[str, Any]]:
+        """Per-rank keys in the form EngineClient.store/load/lookup/delete accept. ``parent``
+        (for a STORE that extends a chain stored earlier): the block before ``blocks[0]``."""
+        if parent is None:
+            return lambda rank: {"keys": self.keys(blocks, rank)}
+        return lambda rank: {"keys": self.keys(blocks, rank), "parent": self.key(parent, rank)}
 
     def token_keys(self, tokens: Sequence[int], rank: int = 0, **kwargs: Any) -> list[str]:
         """Shortcut: keys of ``tokens`` for one rank (block_hashes + keys)."""

@@ -6,7 +6,9 @@ Zero copy both ways: the host pool is registered once (``register_buffer``), and
 moves as two ranges, the 64-byte header from a small registered arena and the host block in
 place (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``).
 
-Mooncake is a cache: an evicted or never-written key is OBJECT_NOT_FOUND, a normal miss.
+Mooncake is a cache: an evicted or never-written key is OBJECT_NOT_FOUND, a normal miss. Its
+eviction may take objects a STORE has just put: the daemon asks which are still there before
+it reports them stored (``drops_writes``).
 Connecting never blocks the daemon: ``setup`` (which retries for a long time when the
 master is down) runs on a background thread after a quick TCP probe of the master; storage
 calls made meanwhile fail with StorageUnavailable. After a transport failure the next call
@@ -107,6 +109,7 @@ def _address_of(buffer: mmap.mmap) -> int:
 class MooncakeBackend(StorageBackend):
     name = "mooncake"
     max_shards = 1  # the transfer engine spreads a batch over its own workers
+    drops_writes = True  # its eviction may take objects a STORE has just put
 
     def __init__(self, config: Config, pool: HostPool) -> None:
         s = config.storage

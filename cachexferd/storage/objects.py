@@ -12,7 +12,7 @@ must not put in its cache. All fields little-endian::
     10     2     reserved         0
     12     8     payload length   bytes after the header (= host block bytes)
     20     8     layout           KVLayout fingerprint (8 bytes; 16 hex chars in the API)
-    28     8     name digest      blake2b-64 of the object name (namespace + key)
+    28     8     name digest      blake2b-64 of the object name (``object_name``: namespace, version, key)
     36     8     payload checksum crc32 (zero-extended) or sum64 of the payload
     44     4     header crc32     zlib.crc32 of bytes 0..43
     48     16    zero
@@ -62,6 +62,16 @@ class Verdict(StrEnum):
     OK = "ok"
     CORRUPT = "corrupt"
     MISMATCH = "mismatch"
+
+
+def object_name(key: str, weights_version: int, namespace: str = "") -> str:
+    """The name a key's object is stored under: ``[namespace/]w<version>/<key>``.
+
+    Every weights version, 0 included, puts its ``w<version>/`` part before the key, and the
+    version's digits end at the first ``/`` after it: so no key under one version can spell
+    an object of another (a key ``w27/x`` under version 0 is ``w0/w27/x``)."""
+    scoped = f"w{weights_version}/{key}"
+    return f"{namespace}/{scoped}" if namespace else scoped
 
 
 def name_digest(name: str) -> bytes:

@@ -7,7 +7,9 @@ each value is checked and copied into its host block. Presence is pipelined EXIS
 is UNLINK (the server frees memory off its main thread).
 
 Redis is a cache here: run it with ``maxmemory`` and an LRU policy; an evicted key is a
-normal miss, and a SET refused for memory (OOM) is a per-object store failure.
+normal miss, and a SET refused for memory (OOM) is a per-object store failure. A STORE larger
+than the room Redis has may see its own first keys evicted to fit its last ones: the daemon
+asks which are still there before it reports them stored (``drops_writes``).
 Connection errors become StorageUnavailable; redis-py reconnects on the next call, so the
 daemon recovers by itself when the server returns.
 """
@@ -49,6 +51,7 @@ def _bulk(data: bytes) -> bytes:
 
 class RedisBackend(StorageBackend):
     name = "redis"
+    drops_writes = True  # maxmemory: Redis may evict a pipeline's first keys to fit its last ones
 
     def __init__(self, url: str, timeout_s: float, max_connections: int) -> None:
         import redis as redis_lib

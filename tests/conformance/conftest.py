@@ -32,11 +32,15 @@ SESSION_DAEMONS: dict[str, list[str]] = {
         "--storage", "file", "--storage-path", "{scratch}/main-store",
         "--set", "daemon.max_inflight=64", "--set", "storage.timeout_s=1", "--set", "daemon.drain_timeout_s=5",
     ],
-    # Never attached; its storage directory cannot be created (a regular file is in the way).
+    # Never attached; its storage directory cannot be created: once it serves, a regular file
+    # takes the place of its parent (a storage path under a file refuses the start).
     "pristine": ["--storage", "file", "--storage-path", "{scratch}/not-a-dir/store"],
     "nostorage": ["--storage", "none"],
 }  # fmt: skip
 FRESH = "fresh_daemon"  # function-scoped: one new daemon per test (shutdown, signals)
+# Fresh daemons started ahead of the tests that take them: each start imports torch, and more
+# than a couple at once on a small machine can take one past its start-up deadline.
+_SPARES_AHEAD = 2
 _NEEDED = pytest.StashKey[Counter[str]]()
 
 
@@ -60,7 +64,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 class DaemonPool:
     def __init__(self, scratch: Path, needed: Counter[str]) -> None:
         self.scratch = scratch
-        (scratch / "not-a-dir").write_text("a regular file where a directory should be\n")
         self.started: dict[str, DaemonProc] = {}
         self.spares: list[DaemonProc] = []
         self._fresh = 0
@@ -72,8 +75,9 @@ class DaemonPool:
             self._start_spares()
 
     def _start_spares(self) -> None:
-        """Fresh daemons start once the first session daemon is up: tests can begin sooner."""
-        while self._spares_wanted:
+        """Fresh daemons start once the first session daemon is up (tests can begin sooner),
+        at most _SPARES_AHEAD ahead of the tests that take them."""
+        while self._spares_wanted and len(self.spares) < _SPARES_AHEAD:
             self._spares_wanted -= 1
             self.spares.append(self._spawn_fresh())
 
@@ -91,12 +95,16 @@ class DaemonPool:
 
     def get(self, name: str) -> DaemonProc:
         proc = (self.started.get(name) or self._start(name)).wait_ready()
+        blocker = self.scratch / "not-a-dir"
+        if name == "pristine" and not blocker.exists():
+            blocker.write_text("a regular file where a directory should be\n")
         self._start_spares()
         return proc
 
     def take_fresh(self) -> DaemonProc:
         self._start_spares()
         proc = self.spares.pop(0) if self.spares else self._spawn_fresh()
+        self._start_spares()  # the next one starts while this test runs
         return proc.wait_ready()
 
     def close(self) -> list[str]:

@@ -41,8 +41,16 @@ def chain(name: str) -> dict[str, Any]:
     return next(c for c in vectors()["chains"] if c["name"] == name)
 
 
-def object_file(store: Path, name: str) -> Path:
-    """Where the file backend keeps object ``name`` (docs/storage.md §4.1)."""
+def object_name(key: str, weights_version: int = 0, namespace: str = "") -> str:
+    """The object name of ``key`` (docs/storage.md §1.9)."""
+    scoped = f"w{weights_version}/{key}"
+    return f"{namespace}/{scoped}" if namespace else scoped
+
+
+def object_file(store: Path, key: str, weights_version: int = 0) -> Path:
+    """Where the file backend keeps the object of ``key`` (docs/storage.md §1.9, §4.1); the
+    suite's daemons set no storage namespace."""
+    name = object_name(key, weights_version)
     digest = hashlib.blake2b(name.encode("utf-8"), digest_size=16).hexdigest()
     return store / digest[:2] / digest[2:4] / digest
 
@@ -66,7 +74,7 @@ def burst(client: Client, commands: Sequence[tuple[int, Mapping[str, Any]]]) -> 
 
 @contextmanager
 def hung_object(store: Path, name: str, reader_wait_s: float = 5.0) -> Iterator[Path]:
-    """Makes object ``name`` a FIFO: the file backend's read of it blocks until released.
+    """Makes the object of key ``name`` a FIFO: the file backend's read of it blocks until released.
     On exit the FIFO is released so that no reader can stay stuck, whenever it opens it."""
     path = object_file(store, name)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from enum import IntEnum
 
 MAGIC = b"CX"
 MAJOR = 1
-MINOR = 1
+MINOR = 2
 
 
 class T(IntEnum):

@@ -8,6 +8,7 @@ import pytest
 
 from .conftest import CacheFactory, ClientFactory
 from .daemons import DaemonProc
+from .helpers import burst, held_in_flight
 from .spec import MAX_BATCH, E, T
 from .wire import header, pack
 
@@ -81,4 +82,44 @@ def test_pause_resume_and_weights_versions(fresh_daemon: DaemonProc, connect: Cl
     assert weights.result == {"previous": 0, "version": 9}
     assert client.call(T.STATUS).result["host_cache"]["weights_version"] == 9
     assert client.call(T.SET_WEIGHTS, version=-1).code == E.BAD_FIELD
+    assert client.call(T.DETACH).ok
+
+
+def test_malformed_items_echo_the_req_id_of_their_map(main: DaemonProc, connect: ClientFactory) -> None:
+    """§14.1: an item that is not [int, map] is refused with BAD_FIELD, carrying the req_id of
+    the item's map (the item itself, or the first map in it) when it has one."""
+    client = connect(main)
+    items: list[object] = [
+        ["x", {"req_id": 301}],  # type not an int
+        [int(T.PING), {"req_id": 302}, "extra"],  # three elements
+        [{"req_id": 303}],  # a map alone in an array
+        {"req_id": 304},  # a map instead of an array
+        [int(T.PING), "not a map", {"req_id": 305}],  # the first map in it
+        ["x", {"req_id": "305"}],  # a req_id that is not an int: 0
+        [int(T.PING), {"req_id": 306}],  # well formed: a normal outcome
+    ]
+    client.send_frames(_batch(items))  # type: ignore[arg-type]
+    got = client.collect(1.5)
+    assert sorted((o.req_id, o.code, o.channel, o.body["op"]) for o in got) == [
+        (0, E.BAD_FIELD, "reply", T.BATCH),
+        *((r, E.BAD_FIELD, "reply", T.BATCH) for r in range(301, 306)),
+        (306, E.OK, "reply", T.PING),
+    ]
+
+
+def test_a_pause_reports_paused_even_when_a_resume_overtakes_its_reply(
+    fresh_daemon: DaemonProc, connect: ClientFactory, shm: CacheFactory
+) -> None:
+    """§7.10: PAUSE takes effect when read and its result describes it; a RESUME read while the
+    PAUSE waits for the commands before it is answered first, and the PAUSE still says paused."""
+    client = connect(fresh_daemon)
+    assert client.call(T.ATTACH, **shm(seed=8).attach_fields()).ok
+    store = fresh_daemon.runtime_dir.parent / f"{fresh_daemon.name}-store"
+    with held_in_flight(client, store, 900):  # a LOAD whose read hangs until the block ends
+        pause, resume = burst(client, [(T.PAUSE, {"drain_timeout_s": 30.0}), (T.RESUME, {})])
+        assert client.wait(resume).result == {"paused": False, "was_paused": True}
+        assert client.call(T.STATUS).result["paused"] is False
+    paused = client.wait(pause)
+    assert paused.result == {"paused": True, "drained": 1, "cancelled": 0}, paused
+    assert client.wait(900).ok
     assert client.call(T.DETACH).ok

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from .conftest import Attached, CacheFactory, ClientFactory
-from .daemons import DaemonProc
+from .daemons import REPO, DaemonProc
 from .helpers import fingerprint
 from .shm import LAYOUT, geometry
-from .spec import MAX_BATCH, MAX_BODY, MAX_IDS, MAX_KEYS, E, T
+from .spec import MAJOR, MAX_BATCH, MAX_BODY, MAX_IDS, MAX_KEYS, MINOR, E, T
 
 pytestmark = pytest.mark.conformance
 
@@ -35,7 +35,7 @@ def test_hello_reply(main: DaemonProc, connect: ClientFactory) -> None:
     reply = client.hello(pid=4242)
     assert reply.channel == "reply" and reply.body["op"] == T.HELLO and reply.body["rank"] == 0
     result = reply.result
-    assert result["protocol"] == [1, 1]
+    assert result["protocol"] == [MAJOR, MINOR]
     assert kinds(result) == {
         "protocol": ["int", "int"],
         "version": "str",
@@ -160,6 +160,53 @@ def test_status_of_an_attached_daemon(attached: Attached, main: DaemonProc) -> N
     assert storage["backend"] == "file" and kinds(storage)["state"] == "str"
 
 
+def _status_table() -> dict[str, str]:
+    """§7.3's table: key -> its type and meaning cells, as written."""
+    text = (REPO / "docs" / "protocol.md").read_text(encoding="utf-8")
+    match = re.search(r"^### 7\.3 STATUS.*?\n(.*?)(?=^### )", text, re.S | re.M)
+    assert match, "docs/protocol.md has no §7.3"
+    rows = [line.strip().strip("|").split("|") for line in match.group(1).splitlines() if line.startswith("| `")]
+    return {cells[0].strip().strip("`"): "|".join(cells[1:]) for cells in rows}
+
+
+def _storage_status_text() -> str:
+    text = (REPO / "docs" / "storage.md").read_text(encoding="utf-8")
+    match = re.search(r"^Status \(the `storage` map.*?(?=\n\n)", text, re.S | re.M)
+    assert match, "docs/storage.md §6 has no Status paragraph"
+    return match.group(0)
+
+
+def test_every_status_key_is_in_the_spec(attached: Attached, paused_status: dict[str, Any]) -> None:
+    """Every key STATUS sends, nested ones included, is in §7.3 (storage backends' own keys:
+    docs/storage.md §6), with the type the table gives for the top-level ones."""
+    table = _status_table()
+    storage_text = _storage_status_text()
+    for result in (attached.client.call(T.STATUS).result, paused_status):
+        assert set(result) <= set(table), sorted(set(result) - set(table))
+        for key, value in result.items():
+            kind = {"protocol": "[int, int]", "uptime_s": "float"}.get(key) or kinds(value)
+            kind = "map" if isinstance(value, dict) else kind
+            assert table[key].split("|")[0].strip() == kind, (key, table[key], kind)
+        for key in ("host_cache", "commands", "device", "backend"):
+            missing = [sub for sub in result[key] if f"`{sub}`" not in table[key]]
+            assert not missing, f"§7.3 does not name {key}.{missing}"
+        missing = [sub for sub in result["storage"] if f"`{sub}`" not in table["storage"] + storage_text]
+        assert not missing, f"neither §7.3 nor docs/storage.md §6 names storage.{missing}"
+
+
+@pytest.fixture
+def paused_status(fresh_daemon: DaemonProc, connect: ClientFactory, shm: CacheFactory) -> dict[str, Any]:
+    """STATUS of a daemon that is paused, at another weights version, with a storage namespace
+    unset (a fresh daemon of the suite), detached after an attach."""
+    client = connect(fresh_daemon)
+    assert client.call(T.ATTACH, **shm(seed=9).attach_fields(), weights_version=3).ok
+    assert client.call(T.DETACH).ok and client.call(T.PAUSE).ok
+    result: dict[str, Any] = client.call(T.STATUS).result
+    assert result["paused"] is True and result["host_cache"]["weights_version"] == 3
+    assert client.call(T.RESUME).ok
+    return result
+
+
 def test_status_without_storage(nostorage: DaemonProc, connect: ClientFactory) -> None:
     result = connect(nostorage).call(T.STATUS).result
     assert result["storage"] == {"backend": "none"}
@@ -177,6 +224,7 @@ def test_attach_and_detach(main: DaemonProc, connect: ClientFactory, shm: CacheF
         "host_blocks": HOST_CAPACITY // block_bytes,
         "host_block_bytes": block_bytes,
         "fingerprint": fingerprint(LAYOUT),
+        "weights_version": 0,  # (1.2)
     }
     done = client.call(T.DETACH)
     assert done.ok and done.body["op"] == T.DETACH

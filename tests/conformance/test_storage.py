@@ -15,7 +15,7 @@ import pytest
 
 from .conftest import Attached, CacheFactory, ClientFactory
 from .daemons import DaemonProc
-from .helpers import chain, fingerprint, object_file
+from .helpers import chain, fingerprint, object_file, object_name
 from .shm import LAYOUT
 from .spec import MAX_KEYS, E, T
 from .wire import Client
@@ -108,7 +108,7 @@ def test_object_format_on_disk(attached: Attached, store: Path) -> None:
     assert (h["magic"], h["version"], h["length"], h["reserved"]) == (b"CXKV", 1, 64, 0)
     assert h["payload_len"] == cache.block_bytes
     assert h["layout"] == bytes.fromhex(fingerprint(LAYOUT))
-    assert h["name"] == hashlib.blake2b(key.encode(), digest_size=8).digest()
+    assert h["name"] == hashlib.blake2b(object_name(key).encode(), digest_size=8).digest()
     assert h["kind"] in (1, 2)
     assert h["checksum"] == (sum64(payload) if h["kind"] == 2 else zlib.crc32(payload))
     assert h["crc"] == zlib.crc32(data[:44])
@@ -238,6 +238,18 @@ ORDER_CASES = [
         {"keys": ["k", "k"], "host_ids": [0, 1], "device_ids": [2**31, 0]},
         E.BAD_FIELD,
     ),
+    OrderCase(  # (1.2) parent: after device_ids, one key checked like those of `keys`
+        "device-ids-before-parent",
+        "main",
+        True,
+        T.STORE,
+        {"keys": ["k"], "host_ids": [0], "device_ids": "x", "parent": ["not a key"]},
+        E.BAD_FIELD,
+    ),
+    *(
+        OrderCase(f"parent-{name}", "main", True, T.STORE, {"keys": ["k"], "host_ids": [0], "parent": bad}, E.BAD_FIELD)
+        for name, bad in (("with-a-space", "a b"), ("not-a-str", 7), ("too-long", "p" * 257), ("empty", ""))
+    ),
     # 3: admission.
     OrderCase(
         "stale-boot-before-no-storage", "nostorage", False, T.LOOKUP, {"keys": ["k"], "boot_id": "0" * 32}, E.STALE_BOOT
@@ -350,6 +362,10 @@ ORDER_CASES = [
         E.OK,
     ),
     OrderCase("load-may-repeat-keys", "main", True, T.LOAD, {"keys": ["order-k", "order-k"], "host_ids": [3, 4]}, E.OK),
+    OrderCase(  # (1.2) an extension of a chain names the key before its first; nil: none
+        "store-with-parent", "main", True, T.STORE, {"keys": ["order-j"], "host_ids": [3], "parent": "order-k"}, E.OK
+    ),
+    OrderCase("store-parent-nil", "main", True, T.STORE, {"keys": ["order-j"], "host_ids": [3], "parent": None}, E.OK),
 ]
 
 

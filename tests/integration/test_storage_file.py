@@ -98,9 +98,9 @@ def _damage(path: str, how: str) -> None:
 )
 def test_corrupt_objects_are_misses_plus_an_error_metric(node: Node, store_dir: Path, how: str) -> None:
     stored(node, KEYS[:3], [1, 2, 3], [0, 1, 2])
-    target = object_path(str(store_dir), KEYS[1])
+    target = object_path(str(store_dir), f"w0/{KEYS[1]}")
     if how == "misplaced":  # another key's valid object under this key's name
-        os.replace(object_path(str(store_dir), KEYS[2]), target)
+        os.replace(object_path(str(store_dir), f"w0/{KEYS[2]}"), target)
     else:
         _damage(target, how)
     before = node.metric("cachexferd_storage_errors_total", kind="corrupt")
@@ -188,7 +188,7 @@ def test_a_hung_read_times_out_and_the_daemon_keeps_serving(short_tmp: Path, sto
     node = Node.in_process(short_tmp / "t", seed=4, storage__path=str(store_dir), storage__timeout_s=0.5)
     try:
         stored(node, KEYS[:2], [1, 2], [0, 1])
-        fifo = object_path(str(store_dir), KEYS[1])
+        fifo = object_path(str(store_dir), f"w0/{KEYS[1]}")
         os.unlink(fifo)
         os.mkfifo(fifo)  # opening it for reading blocks until a writer comes: a hung file system
         start = time.monotonic()
@@ -242,7 +242,7 @@ def test_unusable_directory_is_unavailable_then_recovers(short_tmp: Path) -> Non
 
 def test_detach_cancels_a_load_waiting_on_storage(short_tmp: Path, store_dir: Path) -> None:
     node = Node.in_process(short_tmp / "d", seed=6, storage__path=str(store_dir), storage__timeout_s=5)
-    fifo = object_path(str(store_dir), KEYS[0])
+    fifo = object_path(str(store_dir), f"w0/{KEYS[0]}")
     try:
         os.makedirs(os.path.dirname(fifo), exist_ok=True)
         os.mkfifo(fifo)

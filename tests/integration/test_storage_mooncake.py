@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cachexferd.protocol import KVLayout
-from cachexferd.storage.servers import MooncakeCluster
+from cachexferd.storage_servers import MooncakeCluster
 from tests.helpers import assert_moved, assert_untouched
 from tests.servers import mooncake_cluster, start_mooncake  # noqa: F401 - fixture
 from tests.storage_rig import Node, key_space, prompt, store_and_load_back
@@ -157,7 +157,7 @@ def _paused_master(node: Node, cluster: MooncakeCluster, keys: list[str]) -> Non
 
 
 def test_master_down_at_start_does_not_stop_the_daemon(short_tmp: Path, keys: list[str]) -> None:
-    from cachexferd.storage.servers import free_port
+    from cachexferd.storage_servers import free_port
 
     node = Node.in_process(
         short_tmp / "d", seed=10, storage__backend="mooncake", storage__master=f"127.0.0.1:{free_port()}",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cachexferd.storage.servers import RedisServer
+from cachexferd.storage_servers import RedisServer
 from tests.helpers import assert_moved, assert_untouched
 from tests.servers import redis_server  # noqa: F401 - fixture
 from tests.storage_rig import Node, key_space, prompt, store_and_load_back
@@ -48,10 +48,10 @@ def test_roundtrip_misses_and_delete(node: Node, keys: list[str]) -> None:
 def test_corrupt_and_wrong_size_values(node: Node, redis_server: RedisServer, keys: list[str]) -> None:  # noqa: F811
     assert node.ok("store", keys[:3], host_ids=[0, 1, 2], device_ids=[1, 2, 3])["stored"] == 3
     client = raw_client(redis_server)
-    value = bytearray(client.get(keys[1]))  # type: ignore[attr-defined]
+    value = bytearray(client.get(f"w0/{keys[1]}"))  # type: ignore[attr-defined]
     value[200] ^= 0xFF
-    client.set(keys[1], bytes(value))  # type: ignore[attr-defined]
-    client.set(keys[2], b"short")  # type: ignore[attr-defined]
+    client.set(f"w0/{keys[1]}", bytes(value))  # type: ignore[attr-defined]
+    client.set(f"w0/{keys[2]}", b"short")  # type: ignore[attr-defined]
     assert node.ok("load", keys[:3], host_ids=[10, 11, 12], device_ids=[20, 21, 22])["loaded"] == 1
     assert node.metric("cachexferd_storage_errors_total", kind="corrupt") == 1
     assert node.metric("cachexferd_storage_errors_total", kind="mismatch") == 1
@@ -89,3 +89,23 @@ def test_paused_server_times_out_then_recovers(node: Node, redis_server: RedisSe
     assert node.ok("load", keys[:2], host_ids=[10, 11], device_ids=[20, 21])["loaded"] == 2
     assert_moved(node.cache, [20, 21], node.before, [1, 2])
     assert node.metric("cachexferd_storage_errors_total", kind="timeout") >= 1
+
+
+def test_a_store_larger_than_maxmemory_reports_only_what_is_still_there(short_tmp: Path) -> None:
+    """Redis evicts (allkeys-lru) the first keys of a pipeline that does not fit: the STORE
+    counts as stored only the leading objects that are in the store when it reports."""
+    from tests.servers import start_redis
+
+    server = start_redis(short_tmp / "small-redis", maxmemory="2mb")
+    node = Node.in_process(short_tmp / "r", seed=8, storage__backend="redis", storage__url=server.url)
+    try:
+        keys = [f"overflow-{i}" for i in range(1500)]  # 1500 x 3 KiB: more than 2 MB
+        result = node.ok("store", keys, host_ids=list(range(1500)))
+        client = raw_client(server)
+        present = [bool(client.exists(f"w0/{k}")) for k in keys]  # type: ignore[attr-defined]
+        assert not all(present), "redis kept everything: the test needs a smaller maxmemory"
+        assert all(present[: result["stored"]]), f"stored={result['stored']} but an object of that prefix is gone"
+        assert node.ok("load", keys, host_ids=list(range(2000, 3500)))["loaded"] >= result["stored"]
+    finally:
+        node.close()
+        server.stop()

@@ -87,12 +87,16 @@ def test_an_existing_directory_over_the_limit_is_trimmed_at_start(tmp_path: Path
     put(backend(tmp_path, objects=100), *[f"k{i}" for i in range(20)])
     fb = FileBackend(tmp_path, capacity=10 * OBJECT)
     fb.start()  # indexes in the background, then evicts
+    names = [f"k{i}" for i in range(20)]
     deadline = time.monotonic() + 20
-    while not (fb.index.scanned and fb.describe()["objects"] <= 9) and time.monotonic() < deadline:
+    # The index drops its victims before their files are unlinked: wait for both.
+    while time.monotonic() < deadline and not (
+        fb.index.scanned and fb.describe()["objects"] <= 9 and len(stored(tmp_path, names)) <= 9
+    ):
         time.sleep(0.05)
     fb.close()
     assert fb.describe()["objects"] == 9
-    assert len(stored(tmp_path, [f"k{i}" for i in range(20)])) == 9
+    assert len(stored(tmp_path, names)) == 9
 
 
 def test_a_full_disk_evicts_and_retries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

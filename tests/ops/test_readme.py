@@ -1,100 +1,78 @@
-"""The README's Python snippets, run as written against real daemons.
+"""The README's first run, pasted into a shell as written: two daemons, the runners and the
+engine in one Python process, every byte checked, the daemons stopped.
 
-One substitution, the only one: the snippets name the sockets of daemons started by root or
-systemd (``ipc:///run/cachexferd/<rank>/cmd.sock``); here the daemons' runtime directories
-are ``<tmp>/<rank>``, so ``ipc:///run/cachexferd/`` becomes ``ipc://<tmp>/``. Everything
-else (layout, ids, calls) is the README's text.
+One substitution, the only one: the README puts the daemons' runtime directories under
+``/tmp/cxd``; here they go to a private temporary directory. Everything else (commands,
+layout, ids, checks) is the README's text. The Python fragments of the README (parts of a
+long-running engine and runner) must at least be valid Python.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import os
 import re
+import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
-import torch
-
-from cachexferd.client import RunnerClient, ShmKVCache
-from cachexferd.launch import DaemonProcess
-from cachexferd.protocol import KVLayout
 
 from .helpers import REPO, clean_env
 
 README = REPO / "README.md"
-SOCKETS = "ipc:///run/cachexferd/"
-# The runner snippet's layout: 2 MiB host blocks, host ids up to 102 in the engine snippet.
-LAYOUT = KVLayout(num_layers=32, num_blocks=4096, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+RUNTIME = "/tmp/cxd"
+DONE = "swapped blocks 3-5 out and into 9-11 on both ranks: every byte checked"
 
 
-def snippets() -> dict[str, str]:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
-    by_role = {
-        "engine": [b for b in blocks if "EngineClient(" in b],
-        "runner": [b for b in blocks if "RunnerClient(" in b],
-    }
-    assert all(len(found) == 1 for found in by_role.values()), "expected one engine and one runner snippet"
-    return {role: found[0] for role, found in by_role.items()}
+def first_run() -> str:
+    blocks = [b for b in re.findall(r"```sh\n(.*?)```", README.read_text(), re.DOTALL) if "EngineClient(" in b]
+    assert len(blocks) == 1, "expected one shell sequence with the runners and the engine"
+    assert blocks[0].count(RUNTIME) >= 4  # the two daemons and the two sockets
+    return blocks[0]
 
 
-@pytest.fixture
-def daemons(short_tmp: Path) -> Iterator[list[DaemonProcess]]:
-    started = []
-    try:
-        for rank in (0, 1):
-            daemon = DaemonProcess(short_tmp / str(rank), rank=rank, settings={
-                "metrics.port": 0, "host_cache.capacity": "256MiB", "storage.path": str(short_tmp / "storage"),
-            })  # fmt: skip
-            started.append(daemon)
-            daemon.start()
-        yield started
-    finally:
-        for daemon in started:
-            daemon.stop()
-
-
-def run_snippet(code: str, tmp: Path) -> tuple[subprocess.CompletedProcess[str], int]:
-    """Runs a snippet in its own interpreter; returns the result and its pid."""
-    assert SOCKETS in code
-    argv = [sys.executable, "-c", code.replace(SOCKETS, f"ipc://{tmp}/")]
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(tmp),
-                          cwd=tmp) as proc:  # fmt: skip
+def run_shell(script: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+    """Runs ``script`` with bash, ``cachexferd`` and ``python3`` from this venv, in a session
+    of its own that is killed (daemons included) if it overruns."""
+    env = clean_env(tmp, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    with subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, cwd=tmp, start_new_session=True) as proc:  # fmt: skip
         try:
-            out, err = proc.communicate(timeout=120)
+            out, err = proc.communicate(timeout=300)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err), proc.pid
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(f"the README sequence did not finish:\n{out}\n{err}") from None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # nothing of it may outlive the test
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def test_runner_snippet_attaches_detaches_and_frees_its_segment(short_tmp: Path, daemons: list[DaemonProcess]) -> None:
-    result, pid = run_snippet(snippets()["runner"], short_tmp)
-    assert result.returncode == 0, result.stderr
-    assert result.stderr == ""
-    left = [p.name for p in Path("/dev/shm").glob(f"cachexferd-kv-{pid}-*")]  # ShmKVCache names carry the pid
-    assert left == [], f"the runner snippet left {left} in /dev/shm"
-    status = daemons[0].status()
-    assert status["device"]["state"] == "detached" and status["commands"]["running"] == 0
+def test_first_run_swaps_and_checks_every_byte(short_tmp: Path) -> None:
+    result = run_shell(first_run().replace(RUNTIME, str(short_tmp / "cxd")), short_tmp)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.strip().splitlines()[-1] == DONE, result.stdout
+    assert "Traceback" not in result.stderr, result.stderr[-4000:]
+    for rank in (0, 1):  # both daemons stopped cleanly: no socket, no lock left
+        runtime = short_tmp / "cxd" / str(rank)
+        assert runtime.is_dir() and sorted(p.name for p in runtime.iterdir()) == []
+        assert f"rank {rank} serving on ipc://{runtime}/cmd.sock" in result.stderr
 
 
-def test_engine_snippet_swaps_on_both_ranks(short_tmp: Path, daemons: list[DaemonProcess]) -> None:
-    caches = [ShmKVCache(LAYOUT) for _ in daemons]
-    runners = [RunnerClient(d.endpoint) for d in daemons]
-    try:
-        for rank, (cache, runner) in enumerate(zip(caches, runners)):
-            for t, tensor in enumerate(cache.tensors):  # touch only the blocks the snippet moves
-                tensor.view(torch.uint8)[3:6].fill_(rank * 64 + t + 1)
-            runner.attach(cache)
-        result, _ = run_snippet(snippets()["engine"], short_tmp)
-        assert result.returncode == 0 and result.stderr == "", result.stderr  # no failed command was logged
-        for cache in caches:
-            for tensor in cache.tensors:
-                raw = tensor.view(torch.uint8)
-                assert torch.equal(raw[9:12], raw[3:6]), "swap in did not bring back what swap out stored"
-    finally:
-        for runner, cache in zip(runners, caches):
-            runner.detach()
-            runner.close()
-            cache.close()
+def test_first_run_notices_misplaced_blocks(short_tmp: Path) -> None:
+    """The sequence's own check can fail: swapped into other blocks, it says so."""
+    script = first_run().replace(RUNTIME, str(short_tmp / "cxd"))
+    wrong = script.replace("device_ids=[9, 10, 11]", "device_ids=[9, 10, 12]")
+    assert wrong != script
+    result = run_shell(wrong, short_tmp)
+    assert "AssertionError: the swapped-in blocks differ" in result.stderr, result.stderr[-4000:]
+    assert DONE not in result.stdout
+
+
+def test_fragments_are_python() -> None:
+    fragments = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+    assert len(fragments) >= 2
+    for code in fragments:
+        ast.parse(code)

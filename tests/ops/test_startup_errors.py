@@ -70,8 +70,12 @@ def test_host_cache_larger_than_memory(short_tmp: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: the cuda config is valid here")
 def test_cuda_config_on_a_host_without_gpu(short_tmp: Path) -> None:
+    """Every problem of the GPU host's config on this machine, one line each, the GPU first."""
     result = serve(short_tmp, "--config", "configs/cuda-host.toml")
-    refused(result, "daemon.backend", "configs/cuda-host.toml", "no CUDA GPU", '"cpu"')
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and all(line.startswith("cachexferd: ") for line in lines), result.stderr
+    for needle in ("daemon.backend", "configs/cuda-host.toml", "no CUDA GPU", '"cpu"'):
+        assert needle in lines[0], lines[0]
     nothing_left(short_tmp)
 
 

@@ -151,7 +151,7 @@ def test_invalid_config_exits_before_binding(short_tmp: Path) -> None:
         timeout=60,
     )
     assert proc.returncode == 2
-    assert "host_cache.capacity" in proc.stderr and "not a size" in proc.stderr
+    assert "host_cache.capacity" in proc.stderr and "expected a size" in proc.stderr
     assert not (short_tmp / "cmd.sock").exists()
 
 

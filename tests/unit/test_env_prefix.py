@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cachexferd.storage.servers import find_binary
+from cachexferd.storage_servers import find_binary
 
 
 def serve_check_config(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:

@@ -94,6 +94,14 @@ def test_ranks_get_their_own_keys_from_one_hash_chain() -> None:
         SPACE.key(blocks[0], rank=2)
 
 
+def test_an_extension_names_its_parent_per_rank() -> None:
+    blocks = SPACE.block_hashes(TOKENS)
+    head, tail = blocks[:2], blocks[2:]
+    per_rank = SPACE.keys_by_rank(tail, parent=head[-1])
+    assert per_rank(1) == {"keys": SPACE.keys(tail, 1), "parent": SPACE.key(head[-1], 1)}
+    assert "parent" not in SPACE.keys_by_rank(head)(0)
+
+
 def test_extra_keys_join_only_their_block_and_later() -> None:
     plain = SPACE.token_keys(TOKENS)
     extra = SPACE.token_keys(TOKENS, extra_keys=[None, ["img:abc", 7], None, None])

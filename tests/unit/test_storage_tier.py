@@ -131,38 +131,38 @@ def test_io_pool_runs_calls_and_returns_exceptions() -> None:
 
 def test_store_then_load_reports_the_contiguous_prefix(tier: StorageTier) -> None:
     keys = [f"k{i}" for i in range(6)]
-    result = run(tier.store(keys, list(range(6)), BLOCK, FP, CancelToken()))
+    result = run(tier.store(keys, list(range(6)), BLOCK, FP, 0, CancelToken()))
     assert result == {"stored": 6, "failed": 0, "bytes": 6 * BLOCK}
-    assert run(tier.load(keys, list(range(10, 16)), BLOCK, FP, CancelToken())) == 6
+    assert run(tier.load(keys, list(range(10, 16)), BLOCK, FP, 0, CancelToken())) == 6
     assert bytes(tier.pool.memory(10 * BLOCK, 6 * BLOCK)) == bytes(tier.pool.memory(0, 6 * BLOCK))
-    del tier.backend.objects["k3"]  # type: ignore[attr-defined]
-    assert run(tier.load(keys, list(range(10, 16)), BLOCK, FP, CancelToken())) == 3
-    assert run(tier.lookup(keys, CancelToken())) == 3
-    assert run(tier.delete(keys[:2], CancelToken())) == 2
-    assert run(tier.lookup(keys, CancelToken())) == 0
+    del tier.backend.objects["w0/k3"]  # type: ignore[attr-defined]
+    assert run(tier.load(keys, list(range(10, 16)), BLOCK, FP, 0, CancelToken())) == 3
+    assert run(tier.lookup(keys, 0, CancelToken())) == 3
+    assert run(tier.delete(keys[:2], 0, CancelToken())) == 2
+    assert run(tier.lookup(keys, 0, CancelToken())) == 0
 
 
 def test_corrupt_and_mismatched_objects_end_the_prefix_and_count(tier: StorageTier) -> None:
     keys = ["a", "b", "c"]
-    run(tier.store(keys, [0, 1, 2], BLOCK, FP, CancelToken()))
+    run(tier.store(keys, [0, 1, 2], BLOCK, FP, 0, CancelToken()))
     objects = tier.backend.objects  # type: ignore[attr-defined]
-    raw = bytearray(objects["b"])
+    raw = bytearray(objects["w0/b"])
     raw[100] ^= 1
-    objects["b"] = bytes(raw)
-    assert run(tier.load(keys, [20, 21, 22], BLOCK, FP, CancelToken())) == 1
+    objects["w0/b"] = bytes(raw)
+    assert run(tier.load(keys, [20, 21, 22], BLOCK, FP, 0, CancelToken())) == 1
     assert errors(tier, "corrupt") == 1
-    run(tier.store(["b"], [1], BLOCK, "fedcba9876543210", CancelToken()))  # same key, other layout
-    assert run(tier.load(keys, [20, 21, 22], BLOCK, FP, CancelToken())) == 1
+    run(tier.store(["b"], [1], BLOCK, "fedcba9876543210", 0, CancelToken()))  # same key, other layout
+    assert run(tier.load(keys, [20, 21, 22], BLOCK, FP, 0, CancelToken())) == 1
     assert errors(tier, "mismatch") == 1
 
 
 def test_partial_and_total_store_failures(tier: StorageTier) -> None:
-    tier.backend.refuse = {"k2"}  # type: ignore[attr-defined]
-    result = run(tier.store(["k0", "k1", "k2", "k3"], [0, 1, 2, 3], BLOCK, FP, CancelToken()))
+    tier.backend.refuse = {"w0/k2"}  # type: ignore[attr-defined]
+    result = run(tier.store(["k0", "k1", "k2", "k3"], [0, 1, 2, 3], BLOCK, FP, 0, CancelToken()))
     assert result["stored"] == 2 and result["failed"] == 1
-    tier.backend.refuse = {"x"}  # type: ignore[attr-defined]
+    tier.backend.refuse = {"w0/x"}  # type: ignore[attr-defined]
     with pytest.raises(ProtocolError) as exc:
-        run(tier.store(["x"], [0], BLOCK, FP, CancelToken()))
+        run(tier.store(["x"], [0], BLOCK, FP, 0, CancelToken()))
     assert exc.value.code == ErrorCode.STORAGE_ERROR
 
 
@@ -177,26 +177,26 @@ def test_partial_and_total_store_failures(tier: StorageTier) -> None:
 def test_backend_exceptions_become_storage_codes(tier: StorageTier, failure: Exception, code: ErrorCode) -> None:
     tier.backend.fail = failure  # type: ignore[attr-defined]
     for call in (
-        tier.load(["k"], [0], BLOCK, FP, CancelToken()),
-        tier.store(["k"], [0], BLOCK, FP, CancelToken()),
-        tier.lookup(["k"], CancelToken()),
-        tier.delete(["k"], CancelToken()),
+        tier.load(["k"], [0], BLOCK, FP, 0, CancelToken()),
+        tier.store(["k"], [0], BLOCK, FP, 0, CancelToken()),
+        tier.lookup(["k"], 0, CancelToken()),
+        tier.delete(["k"], 0, CancelToken()),
     ):
         with pytest.raises(ProtocolError) as exc:
             run(call)
         assert exc.value.code == code
     tier.backend.fail = None  # type: ignore[attr-defined]
-    assert run(tier.lookup(["k"], CancelToken())) == 0  # recovered
+    assert run(tier.lookup(["k"], 0, CancelToken())) == 0  # recovered
 
 
 def test_timeout_stops_the_worker_before_the_outcome(tier: StorageTier) -> None:
-    run(tier.store(["k"], [0], BLOCK, FP, CancelToken()))
+    run(tier.store(["k"], [0], BLOCK, FP, 0, CancelToken()))
     backend: Scripted = tier.backend  # type: ignore[assignment]
     backend.hold.clear()
     threading.Timer(0.45, backend.hold.set).start()  # stuck past the 0.3 s deadline, then returns
     start = time.monotonic()
     with pytest.raises(ProtocolError) as exc:
-        run(tier.load(["k"], [5], BLOCK, FP, CancelToken()))
+        run(tier.load(["k"], [5], BLOCK, FP, 0, CancelToken()))
     assert exc.value.code == ErrorCode.STORAGE_TIMEOUT
     assert 0.3 <= time.monotonic() - start < 2.0
     assert backend.saw_stop.is_set() and backend.finished.is_set()  # it had let go of host memory
@@ -210,7 +210,7 @@ def test_cancel_token_ends_the_wait_with_its_code(tier: StorageTier) -> None:
     threading.Timer(0.05, cancel.cancel, (ErrorCode.DETACHED, "detached")).start()
     threading.Timer(0.1, tier.backend.hold.set).start()  # type: ignore[attr-defined]
     with pytest.raises(ProtocolError) as exc:
-        run(tier.lookup(["k"], cancel))
+        run(tier.lookup(["k"], 0, cancel))
     assert exc.value.code == ErrorCode.DETACHED
 
 
@@ -227,13 +227,13 @@ def test_keys_order_same_key_commands_only() -> None:
 
 
 def test_call_stuck_past_the_grace_keeps_its_blocks_reserved(tier: StorageTier) -> None:
-    run(tier.store(["k"], [0], BLOCK, FP, CancelToken()))
+    run(tier.store(["k"], [0], BLOCK, FP, 0, CancelToken()))
     backend: Scripted = tier.backend  # type: ignore[assignment]
     backend.hold.clear()  # stuck past the 0.3 s deadline and the 0.3 s grace
 
     async def scenario() -> None:
         with pytest.raises(HoldBlocks) as exc:
-            await tier.load(["k"], [5], BLOCK, FP, CancelToken())
+            await tier.load(["k"], [5], BLOCK, FP, 0, CancelToken())
         assert exc.value.code == ErrorCode.STORAGE_TIMEOUT
         running = asyncio.ensure_future(exc.value.running)
         await asyncio.sleep(0.05)
@@ -249,9 +249,9 @@ def test_configured_checksum_kind_is_written() -> None:
     pool = HostPool(16 * BLOCK)
     t = StorageTier(Scripted(), config.storage, pool, DaemonMetrics(0, "cpu"))
     try:
-        run(t.store(["k"], [0], BLOCK, FP, CancelToken()))
-        header = t.backend.objects["k"][:64]  # type: ignore[attr-defined]
+        run(t.store(["k"], [0], BLOCK, FP, 0, CancelToken()))
+        header = t.backend.objects["w0/k"][:64]  # type: ignore[attr-defined]
         assert int.from_bytes(header[8:10], "little") == 1  # crc32
-        assert run(t.load(["k"], [1], BLOCK, FP, CancelToken())) == 1
+        assert run(t.load(["k"], [1], BLOCK, FP, 0, CancelToken())) == 1
     finally:
         t.close()

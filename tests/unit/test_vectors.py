@@ -1,7 +1,7 @@
 """docs/vectors.json: the published test vectors for storage keys and layout fingerprints.
 
 Checked both ways:
-- the library (cachexferd.storage.keys, cachexferd.protocol.layout) reproduces the file;
+- the library (cachexferd.storage.keys and .objects, cachexferd.protocol.layout) reproduces the file;
 - an independent implementation written here from the prose of docs/storage.md §2,
   docs/storage.md §4.1 / §3 and docs/protocol.md §8.1 alone (hashlib + struct, nothing
   from cachexferd) reproduces it too.
@@ -70,7 +70,13 @@ CHAINS: list[dict[str, Any]] = [
     dict(name="no-tokens", namespace="tp1", tokens=[]),
 ]
 
-OBJECT_NAMES: list[tuple[str, str]] = [("", "full-blocks"), ("prod-eu", "full-blocks")]  # (namespace, chain)
+# (storage namespace, weights version, chain)
+OBJECT_NAMES: list[tuple[str, int, str]] = [
+    ("", 0, "full-blocks"),
+    ("prod-eu", 0, "full-blocks"),
+    ("", 27, "full-blocks"),
+    ("prod-eu", 3, "tp2"),
+]
 
 
 # ---------------------------------------------------------------------------------------
@@ -166,10 +172,11 @@ def _wire_extra_keys(extra_keys: list[Any] | None) -> list[Any] | None:
 def build_vectors() -> dict[str, Any]:
     from cachexferd.protocol import KVLayout
     from cachexferd.storage.keys import BlockHash, KeySpace
+    from cachexferd.storage.objects import object_name
 
     out: dict[str, Any] = {
         "about": "Test vectors for cachexferd storage keys (docs/storage.md §2), object names "
-        "(docs/storage.md §3, §4.1) and layout fingerprints (docs/protocol.md §8.1). "
+        "(docs/storage.md §1.9, §3, §4.1) and layout fingerprints (docs/protocol.md §8.1). "
         "Hex is lowercase. Extra keys are tagged: {'int': decimal text}, {'str': text}, {'bytes': hex}.",
         "version": 1,
     }
@@ -240,13 +247,15 @@ def build_vectors() -> dict[str, Any]:
         }
         out["chains"].append(row)
     out["object_names"] = []
-    for namespace, chain in OBJECT_NAMES:
-        key = spaces["tp1"].keys(chains[chain])[0]
-        name = f"{namespace}/{key}" if namespace else key
+    for namespace, version, chain in OBJECT_NAMES:
+        case = next(c for c in CHAINS if c["name"] == chain)
+        key = spaces[case["namespace"]].keys(chains[chain])[0]
+        name = object_name(key, version, namespace)
         path_hex = hashlib.blake2b(name.encode(), digest_size=16).hexdigest()
         out["object_names"].append(
             {
                 "storage_namespace": namespace,
+                "weights_version": version,
                 "key": key,
                 "name": name,
                 "file_path": f"{path_hex[:2]}/{path_hex[2:4]}/{path_hex}",
@@ -337,7 +346,8 @@ def test_prose_block_hashes_and_keys(vectors: dict[str, Any]) -> None:
 
 def test_prose_object_names(vectors: dict[str, Any]) -> None:
     for row in vectors["object_names"]:
-        name = f"{row['storage_namespace']}/{row['key']}" if row["storage_namespace"] else row["key"]
+        scoped = "w" + str(row["weights_version"]) + "/" + row["key"]  # docs/storage.md §1.9
+        name = f"{row['storage_namespace']}/{scoped}" if row["storage_namespace"] else scoped
         assert name == row["name"]
         digest = hashlib.blake2b(name.encode("utf-8"), digest_size=16).hexdigest()
         assert row["file_path"] == f"{digest[:2]}/{digest[2:4]}/{digest}"

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..launch import ManagedProcess as ServerProcess
+from .launch import ManagedProcess as ServerProcess
 
 LOOPBACK = "127.0.0.1"
 MOONCAKE_HINT = "pip install 'cachexferd[mooncake]' (mooncake-transfer-engine-non-cuda; apt install libibverbs1)"
@@ -72,13 +72,28 @@ def require_binary(names: Sequence[str], env_var: str, hint: str) -> str:
     return path
 
 
+def redis_binary() -> str:
+    """The Redis/Valkey server binary (ServerUnavailable with what to install)."""
+    return require_binary(("redis-server", "valkey-server"), "CXTEST_REDIS_SERVER", "apt install redis-server")
+
+
+def mooncake_binaries() -> tuple[str, str]:
+    """mooncake_master and mooncake_client, once the store binding imports (else ServerUnavailable)."""
+    try:
+        import mooncake.store  # noqa: F401 - the daemon side needs the binding too
+    except ImportError as exc:
+        raise ServerUnavailable(f"mooncake store binding not importable ({exc}); {MOONCAKE_HINT}") from None
+    return (
+        require_binary(("mooncake_master",), "CXTEST_MOONCAKE_MASTER", MOONCAKE_HINT),
+        require_binary(("mooncake_client",), "CXTEST_MOONCAKE_CLIENT", MOONCAKE_HINT),
+    )
+
+
 class RedisServer:
     """redis-server or valkey-server on a free loopback port: no persistence, LRU eviction."""
 
     def __init__(self, workdir: Path, maxmemory: str = "1gb") -> None:
-        self.binary = require_binary(
-            ("redis-server", "valkey-server"), "CXTEST_REDIS_SERVER", "apt install redis-server"
-        )
+        self.binary = redis_binary()
         self.workdir, self.port = workdir, free_port()
         workdir.mkdir(parents=True, exist_ok=True)
         argv = [
@@ -108,12 +123,7 @@ class MooncakeCluster:
     """
 
     def __init__(self, workdir: Path, segment: str = "256MB", lease_ms: int = 2000, client_ttl_s: int = 4) -> None:
-        try:
-            import mooncake.store  # noqa: F401 - the daemon side needs the binding too
-        except ImportError as exc:
-            raise ServerUnavailable(f"mooncake store binding not importable ({exc}); {MOONCAKE_HINT}") from None
-        master_bin = require_binary(("mooncake_master",), "CXTEST_MOONCAKE_MASTER", MOONCAKE_HINT)
-        node_bin = require_binary(("mooncake_client",), "CXTEST_MOONCAKE_CLIENT", MOONCAKE_HINT)
+        master_bin, node_bin = mooncake_binaries()
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.master_port, self.node_port = free_port(), free_port()

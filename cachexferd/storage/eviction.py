@@ -1,0 +1,253 @@
+"""What the file backend evicts, and when: chain tails before heads, least recently used
+first, never an object of a store still running.
+
+KV objects form chains: the object of block i is only useful after the objects of blocks
+0..i-1 (a LOAD delivers a prefix). Evicting a chain's head makes its whole tail useless, so,
+like the engine's prefix index, the index evicts **leaves** only: an object that another
+object names as its parent is not evicted until that child is. Among leaves the least
+recently used goes first. The daemon learns the links from the commands: the keys of one
+STORE or LOAD are one chain, in order, and a STORE that extends an earlier chain names that
+chain's last key as ``parent``.
+
+Links live in memory. The order survives a restart through the objects' mtimes: each use
+stamps a command's objects head first, a microsecond apart (base.stamps), so after a rescan
+that knows no links, least recently used is still tails first within each command.
+
+``reserve`` runs before a STORE writes: it pins the STORE's objects (nothing evicts them
+until ``release``), evicts other leaves to make room under ``storage.capacity`` and on the
+file system, and says how many leading objects fit. So a STORE never evicts what it has just
+written, and what it reports stored is there when it reports it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+LOW_WATER = 0.9  # eviction for the capacity frees down to this fraction of it
+_MAX_WALK = 1 << 20  # links followed when checking that a new link makes no cycle
+
+
+@dataclass(slots=True)
+class _Entry:
+    size: int
+    used: int  # last use, ns since the epoch (as the file's mtime)
+    parent: str | None = None
+
+
+class EvictionIndex:
+    """Sizes, last uses and chain links of the objects in a directory; thread-safe."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.total = 0  # bytes of the objects indexed
+        self.evicted = 0
+        self.scanned = False  # the first scan has finished: eviction knows the whole directory
+        self._entries: dict[str, _Entry] = {}
+        self._children: Counter[str] = Counter()  # path -> objects naming it as parent (present or not)
+        self._pins: Counter[str] = Counter()  # path -> running stores that will write it
+        self._reserved: dict[str, tuple[int, int]] = {}  # path -> (bytes, disk bytes) not yet written
+        self._reserved_bytes = 0
+        self._reserved_disk = 0
+        self._heap: list[tuple[int, str]] = []  # (used, path): candidates, checked when popped
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # Uses -------------------------------------------------------------------------------------
+
+    def used(self, path: str, size: int, stamp: int = 0, parent: str | None = None) -> None:
+        """``path`` (``size`` bytes) was written or read at ``stamp`` (ns; 0: now); ``parent``:
+        the object before it in its chain, when the command said."""
+        stamp = stamp or time.time_ns()
+        with self._lock:
+            entry = self._entries.get(path)
+            if entry is None:
+                entry = self._entries[path] = _Entry(size, stamp)
+                self.total += size
+            else:
+                self.total += size - entry.size
+                entry.size, entry.used = size, max(entry.used, stamp)
+            bytes_, disk = self._reserved.pop(path, (0, 0))
+            self._reserved_bytes -= bytes_
+            self._reserved_disk -= disk
+            if parent is not None:
+                self._link(path, entry, parent)
+            heapq.heappush(self._heap, (entry.used, path))
+
+    def _link(self, path: str, entry: _Entry, parent: str) -> None:
+        if parent == entry.parent or parent == path:
+            return
+        if self._children[path] and self._descends(parent, path):
+            return  # a link that would close a cycle (odd keys): keep the old one
+        if entry.parent is not None:
+            self._unchild(entry.parent)
+        entry.parent = parent
+        self._children[parent] += 1
+
+    def _descends(self, path: str, ancestor: str) -> bool:
+        """Whether ``ancestor`` is on ``path``'s chain towards its head (or the walk is too long)."""
+        for _ in range(_MAX_WALK):
+            entry = self._entries.get(path)
+            if entry is None or entry.parent is None:
+                return False
+            if entry.parent == ancestor:
+                return True
+            path = entry.parent
+        return True
+
+    def _unchild(self, parent: str) -> None:
+        self._children[parent] -= 1
+        if self._children[parent] <= 0:
+            del self._children[parent]
+            entry = self._entries.get(parent)
+            if entry is not None:  # a leaf again: a candidate
+                heapq.heappush(self._heap, (entry.used, parent))
+
+    def discard(self, path: str) -> None:
+        """``path`` is gone (deleted, or missing at a scan)."""
+        with self._lock:
+            self._remove(path)
+
+    def _remove(self, path: str) -> _Entry | None:
+        entry = self._entries.pop(path, None)
+        if entry is not None:
+            self.total -= entry.size
+            if entry.parent is not None:
+                self._unchild(entry.parent)
+        return entry
+
+    # Eviction ---------------------------------------------------------------------------------
+
+    def victims(self, need: int = 0) -> list[str]:
+        """Removes and returns the paths to evict: down to the low-water mark when over the
+        capacity, and at least ``need`` bytes (a full disk)."""
+        with self._lock:
+            over = 0
+            if self.capacity and self.total > self.capacity and self.scanned:
+                over = self.total - int(self.capacity * LOW_WATER)
+            return self._evict(max(over, need), 0, 1)[0]
+
+    def _evict(self, need: int, need_disk: int, block: int) -> tuple[list[str], int, int]:
+        """Leaves, least recently used first, until ``need`` bytes and ``need_disk`` bytes of
+        ``block``-sized file-system blocks are freed. Returns (paths, bytes, disk bytes)."""
+        out: list[str] = []
+        freed = freed_disk = 0
+        while (freed < need or freed_disk < need_disk) and self._heap:
+            used, path = heapq.heappop(self._heap)
+            entry = self._entries.get(path)
+            if entry is None or entry.used != used or self._children[path] or self._pins[path]:
+                continue  # stale, or not a candidate now (pushed again when it becomes one)
+            self._remove(path)
+            freed += entry.size
+            freed_disk += _on_disk(entry.size, block)
+            out.append(path)
+        self.evicted += len(out)
+        self._compact()
+        return out, freed, freed_disk
+
+    def _compact(self) -> None:
+        if len(self._heap) > 2 * len(self._entries) + 4096:
+            self._heap = [(e.used, p) for p, e in self._entries.items()]
+            heapq.heapify(self._heap)
+
+    # Stores -----------------------------------------------------------------------------------
+
+    def reserve(
+        self, paths: Sequence[str], size: int, disk_free: int | None = None, block: int = 1
+    ) -> tuple[int, list[str]]:
+        """Before a store writes ``paths`` (``size`` bytes each): pins them, picks what to evict
+        (other leaves) so that they fit under the capacity and in ``disk_free`` bytes of the
+        file system (None: unknown), and reserves room for the leading ones that fit.
+        Returns (how many leading paths fit, the paths to evict)."""
+        with self._lock:
+            for path in paths:
+                self._pins[path] += 1
+            adds = [0 if p in self._entries or p in self._reserved else size for p in paths]
+            cap_left = self._capacity_left()
+            disk_left = None if disk_free is None else disk_free - self._reserved_disk
+            need = sum(adds)
+            need_disk = sum(_on_disk(a, block) for a in adds)
+            short = need - cap_left if cap_left is not None else 0
+            short_disk = need_disk - disk_left if disk_left is not None else 0
+            evicted: list[str] = []
+            if short > 0 or short_disk > 0:
+                if short > 0:  # evicting anyway: free down to the low-water mark
+                    short = max(short, self.total + self._reserved_bytes + need - int(self.capacity * LOW_WATER))
+                evicted, freed, freed_disk = self._evict(max(short, 0), max(short_disk, 0), block)
+                cap_left = None if cap_left is None else cap_left + freed
+                disk_left = None if disk_left is None else disk_left + freed_disk
+            return self._reserve_leading(paths, adds, cap_left, disk_left, block), evicted
+
+    def _reserve_leading(
+        self, paths: Sequence[str], adds: list[int], cap_left: int | None, disk_left: int | None, block: int
+    ) -> int:
+        room = 0
+        for path, add in zip(paths, adds):
+            disk = _on_disk(add, block)
+            if (cap_left is not None and add > cap_left) or (disk_left is not None and disk > disk_left):
+                break
+            if add:
+                self._reserved[path] = (add, disk)
+                self._reserved_bytes += add
+                self._reserved_disk += disk
+                cap_left = None if cap_left is None else cap_left - add
+                disk_left = None if disk_left is None else disk_left - disk
+            room += 1
+        return room
+
+    def _capacity_left(self) -> int | None:
+        if not self.capacity or not self.scanned:  # no limit, or not knowing the directory yet
+            return None
+        return self.capacity - self.total - self._reserved_bytes
+
+    def release(self, paths: Sequence[str]) -> None:
+        """The store of ``paths`` has ended: unpins them and drops what it reserved but did not write."""
+        with self._lock:
+            for path in paths:
+                self._pins[path] -= 1
+                if self._pins[path] <= 0:
+                    del self._pins[path]
+                    bytes_, disk = self._reserved.pop(path, (0, 0))
+                    self._reserved_bytes -= bytes_
+                    self._reserved_disk -= disk
+                    entry = self._entries.get(path)
+                    if entry is not None:
+                        heapq.heappush(self._heap, (entry.used, path))
+
+    def pinned(self, path: str) -> bool:
+        with self._lock:
+            return self._pins[path] > 0
+
+    # Scans ------------------------------------------------------------------------------------
+
+    def merge(self, scanned: list[tuple[str, int, int]], started: int) -> None:
+        """Merges a directory scan begun at ``started`` (ns, wall clock): (path, bytes, mtime
+        ns) of every object. Keeps the links of objects still there, and the objects this
+        process used since the scan began (it may have missed them); drops the rest."""
+        with self._lock:
+            present = set()
+            for path, size, mtime in scanned:
+                present.add(path)
+                entry = self._entries.get(path)
+                if entry is None:
+                    self._entries[path] = _Entry(size, mtime)
+                else:
+                    entry.size, entry.used = size, max(entry.used, mtime)
+            for path in [p for p, e in self._entries.items() if p not in present and e.used < started]:
+                if not self._pins[path]:
+                    self._remove(path)
+            self.total = sum(e.size for e in self._entries.values())
+            self._heap = [(e.used, p) for p, e in self._entries.items()]
+            heapq.heapify(self._heap)
+            self.scanned = True
+
+
+def _on_disk(size: int, block: int) -> int:
+    """Bytes a file of ``size`` bytes takes in whole file-system blocks."""
+    return -(-size // block) * block if block > 1 else size

@@ -1,0 +1,135 @@
+"""The package's layering, read from the source: no module imports from a layer above its own.
+
+protocol and the small shared modules -> client, index, copy backends, storage backends ->
+daemon -> integrations (imported by nothing else) -> the commands (cli, demo, bench, status,
+launch, ...) on top. Every import counts, also one inside a function: a lazy import still
+runs upward when it runs.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "cachexferd"
+
+# The first matching prefix decides a module's layer (0 lowest).
+LAYERS: list[tuple[str, int]] = [
+    ("cachexferd.protocol", 0),
+    ("cachexferd.units", 0),
+    ("cachexferd.zmqio", 0),
+    ("cachexferd.config", 0),
+    ("cachexferd.security", 0),
+    ("cachexferd.host_cache", 0),
+    ("cachexferd.client", 1),
+    ("cachexferd.index", 1),
+    ("cachexferd.backends", 1),
+    ("cachexferd.storage.", 1),  # the storage backends package (storage_servers is a command)
+    ("cachexferd.storage", 1),
+    ("cachexferd.metrics", 1),
+    ("cachexferd.daemon", 2),
+    ("cachexferd.integrations", 3),
+    ("cachexferd.", 4),  # cli, demo*, bench, status, launch, preflight, storage_servers, keys_cli
+]
+NAMES = {0: "protocol/shared", 1: "client/index/backends/storage", 2: "daemon", 3: "integrations", 4: "commands"}
+
+# Known upward imports, each with the reason it is tolerated for now. Keep this short.
+KNOWN: dict[tuple[str, str], str] = {
+    ("cachexferd.integrations.vllm.bench", "cachexferd.launch"): "the vLLM benchmark is a command kept beside "
+    "the plug-in; it starts daemons with the launcher",
+}
+
+
+def layer(module: str) -> int:
+    if module == "cachexferd":
+        return 0  # the package itself: its version only
+    for prefix, level in LAYERS:
+        if module == prefix or module.startswith(prefix + ".") or (prefix.endswith(".") and module.startswith(prefix)):
+            return level
+    raise AssertionError(f"{module} has no layer: add it to LAYERS")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    return imports_in(module_name(path), path.read_text(), path.name == "__init__.py")
+
+
+def imports_in(name: str, source: str, is_package: bool = False) -> set[str]:
+    """Every cachexferd module the code of module ``name`` imports, at any depth."""
+    package = name if is_package else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("cachexferd"):
+                # `from . import x` and `from .pkg import mod` import submodules, not just names.
+                found |= {f"{target}.{a.name}" if _is_module(f"{target}.{a.name}") else target for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("cachexferd")}
+    return found
+
+
+def _is_module(dotted: str) -> bool:
+    relative = Path(*dotted.split(".")[1:])
+    return (PACKAGE / relative).with_suffix(".py").is_file() or (PACKAGE / relative / "__init__.py").is_file()
+
+
+def upward_imports(modules: dict[str, set[str]]) -> list[str]:
+    problems = []
+    for name, targets in sorted(modules.items()):
+        own = layer(name)
+        for target in sorted(targets):
+            if layer(target) > own and (name, target) not in KNOWN:
+                problems.append(f"{name} ({NAMES[own]}) imports {target} ({NAMES[layer(target)]})")
+    return problems
+
+
+def test_no_module_imports_from_a_layer_above() -> None:
+    assert upward_imports({module_name(p): imports(p) for p in PACKAGE.rglob("*.py")}) == []
+
+
+def test_integrations_are_imported_by_nothing_else() -> None:
+    outside = [
+        f"{module_name(path)} imports {target}"
+        for path in PACKAGE.rglob("*.py")
+        if not module_name(path).startswith("cachexferd.integrations")
+        for target in imports(path)
+        if target.startswith("cachexferd.integrations")
+    ]
+    assert outside == []
+
+
+def test_start_up_checks_use_only_shared_modules() -> None:
+    """preflight runs before anything starts: it takes its formatting from units, not from
+    another command (status), and needs nothing of the client or the daemon."""
+    path = PACKAGE / "preflight.py"
+    assert {t for t in imports(path) if layer(t) > 0} == set(), imports(path)
+
+
+def test_protocol_imports_neither_torch_nor_the_daemon() -> None:
+    for path in (PACKAGE / "protocol").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not any(n == "torch" or n.startswith("torch.") for n in names), path
+        assert not any("daemon" in n for n in names), path
+
+
+def test_the_checker_sees_upward_imports() -> None:
+    """The rule can fail: a storage backend importing the launcher (as storage/servers.py did),
+    the status command's formatting taken by the start-up checks' peers, a lazy import."""
+    probes = {
+        "cachexferd.storage.servers": "from ..launch import ManagedProcess\n",
+        "cachexferd.client.probe": "def f():\n    from ..daemon.server import Daemon\n",
+        "cachexferd.daemon.probe": "from cachexferd import status\n",
+    }
+    found = upward_imports({name: imports_in(name, source) for name, source in probes.items()})
+    assert [p.split(" ")[0] for p in found] == sorted(probes), found

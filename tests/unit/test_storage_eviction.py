@@ -1,0 +1,95 @@
+"""The file backend's eviction index on its own: leaves before their parents, least recently
+used first, pins and reservations, links that would make a cycle, scans merged in."""
+
+from __future__ import annotations
+
+from cachexferd.storage.base import stamps
+from cachexferd.storage.eviction import EvictionIndex
+
+SIZE = 100
+
+
+def chain(index: EvictionIndex, names: list[str], parent: str | None = None, now: int = 10**18) -> None:
+    """``names`` used as one command would: head first, linked, stamped head newest."""
+    links = [parent, *names[:-1]]
+    for name, link, stamp in zip(names, links, stamps(len(names), now)):
+        index.used(name, SIZE, stamp, link)
+
+
+def scanned(index: EvictionIndex) -> EvictionIndex:
+    index.merge([], 0)
+    return index
+
+
+def test_a_chain_is_evicted_from_its_tail() -> None:
+    index = scanned(EvictionIndex(0))
+    chain(index, ["a0", "a1", "a2", "a3"])
+    assert index.victims(need=2 * SIZE) == ["a3", "a2"]
+    assert index.victims(need=SIZE) == ["a1"]
+    assert len(index) == 1 and index.total == SIZE
+
+
+def test_older_chains_go_first_but_never_a_parent_before_its_child() -> None:
+    index = scanned(EvictionIndex(0))
+    chain(index, ["a0", "a1"], now=1_000_000_000)
+    chain(index, ["b0", "b1"], now=2_000_000_000)
+    index.used("a0", SIZE, 3_000_000_000)  # the head of a is read again: a1 still goes before it
+    assert index.victims(need=3 * SIZE) == ["a1", "b1", "b0"]
+
+
+def test_an_extension_naming_its_parent_protects_the_chain_it_extends() -> None:
+    index = scanned(EvictionIndex(0))
+    chain(index, ["a0", "a1"], now=1_000_000_000)
+    chain(index, ["a2", "a3"], parent="a1", now=2_000_000_000)
+    chain(index, ["b0"], now=3_000_000_000)
+    assert index.victims(need=2 * SIZE) == ["a3", "a2"]
+    without = scanned(EvictionIndex(0))
+    chain(without, ["a0", "a1"], now=1_000_000_000)
+    chain(without, ["a2", "a3"], now=2_000_000_000)
+    assert without.victims(need=2 * SIZE) == ["a1", "a0"]  # unlinked: the older part goes first
+
+
+def test_a_capacity_past_its_limit_is_trimmed_to_the_low_water_mark() -> None:
+    index = scanned(EvictionIndex(10 * SIZE))
+    chain(index, [f"k{i}" for i in range(12)])
+    assert index.victims() == [f"k{i}" for i in range(11, 8, -1)]  # 12 -> 9 objects (90%)
+
+
+def test_reserve_pins_makes_room_from_others_and_counts_what_fits() -> None:
+    index = scanned(EvictionIndex(10 * SIZE))
+    chain(index, [f"old{i}" for i in range(8)])
+    room, evicted = index.reserve([f"new{i}" for i in range(6)], SIZE)
+    # 8 + 6 objects for 10: the old chain is cut down to leave 90% (9) after the 6 new ones.
+    assert room == 6 and evicted == [f"old{i}" for i in range(7, 2, -1)]
+    # A second store while the first runs cannot evict the first's objects, written or not.
+    chain(index, ["new0", "new1"])
+    room2, evicted2 = index.reserve([f"other{i}" for i in range(5)], SIZE)
+    assert set(evicted2) == {"old0", "old1", "old2"} and room2 == 4  # 10 - 2 written - 4 reserved
+    index.release([f"new{i}" for i in range(6)])
+    index.release([f"other{i}" for i in range(5)])
+    # Released: the four new objects never written no longer count; the written ones may go now.
+    room3, evicted3 = index.reserve([f"z{i}" for i in range(10)], SIZE)
+    assert room3 == 10 and set(evicted3) == {"new0", "new1"}
+
+
+def test_reserve_respects_the_free_space_of_the_file_system() -> None:
+    index = scanned(EvictionIndex(0))  # no capacity: only the disk limits
+    chain(index, ["old0", "old1"])
+    room, evicted = index.reserve(["n0", "n1", "n2"], SIZE, disk_free=4096 * 2, block=4096)
+    assert room == 3 and evicted == ["old1"]  # each object takes a 4 KiB block; one more was needed
+    index.release(["n0", "n1", "n2"])
+
+
+def test_links_that_would_close_a_cycle_are_ignored() -> None:
+    index = scanned(EvictionIndex(0))
+    chain(index, ["a", "b"])
+    chain(index, ["b", "a"])  # odd keys: a LOAD naming the chain backwards
+    assert sorted(index.victims(need=2 * SIZE)) == ["a", "b"]  # still evictable: no cycle
+
+
+def test_a_scan_keeps_links_and_forgets_vanished_objects() -> None:
+    index = EvictionIndex(0)
+    chain(index, ["a0", "a1", "a2"], now=5_000)
+    index.merge([("a0", SIZE, 1_000), ("a1", SIZE, 1_000), ("x", SIZE, 500)], started=10_000)
+    assert index.scanned and len(index) == 3  # a2 was gone at the scan
+    assert index.victims(need=2 * SIZE) == ["x", "a1"]
