@@ -143,6 +143,19 @@ def key_list(max_len: int = Limits.MAX_KEYS, max_key: int = Limits.MAX_KEY_BYTES
 _KEY_PATTERN = r"\A[!-~]+\Z"
 
 
+def key(max_key: int = Limits.MAX_KEY_BYTES) -> Check:
+    """One storage key, checked like an entry of ``keys``."""
+    one = key_list(1, max_key)
+
+    def check(name: str, value: Any) -> str:
+        if type(value) is not str:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be a key (a string)")
+        checked: str = one(name, [value])[0]
+        return checked
+
+    return _typed(check, Annotated[str, Meta(min_length=1, max_length=max_key, pattern=_KEY_PATTERN)])
+
+
 def mapping(max_len: int = Limits.MAX_MAP) -> Check:
     def check(name: str, value: Any) -> dict[str, Any]:
         if type(value) is not dict:
