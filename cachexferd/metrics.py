@@ -5,11 +5,15 @@ process in tests without clashing). Names follow the Prometheus conventions: bas
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
+from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.utils import floatToGoString
 
 from . import __version__
 from .protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR
@@ -35,16 +39,7 @@ class DaemonMetrics:
                 "rank": str(rank),
             }
         )
-        self.commands = Counter(
-            "cachexferd_commands_total", "Commands by type and outcome", ["op", "outcome"], registry=r
-        )
-        self.latency = Histogram(
-            "cachexferd_command_duration_seconds",
-            "Time from receipt to outcome, by command type",
-            ["op"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        self.commands = CommandStats(r)
         self.transfer_bytes = Counter(
             "cachexferd_transfer_bytes_total",
             "Bytes moved, by direction (d2h, h2d, store, load)",
@@ -102,3 +97,70 @@ class DaemonMetrics:
                 server.server_close()
 
             threading.Thread(target=close, name="metrics-stop", daemon=True).start()
+
+
+class CommandStats:
+    """``cachexferd_commands_total`` (by op and outcome) and ``cachexferd_command_duration_seconds``
+    (by op), kept here and updated once per flush of outcomes with everything decided since
+    the last one: prometheus_client's Counter and Histogram take a lock and search the buckets
+    in Python on every call, which cost more than the rest of a batched command's outcome.
+
+    The daemon's loop thread records; the metrics server's thread collects. One lock makes
+    each scrape see whole flushes (a histogram's count always equals its +Inf bucket)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str], int] = {}  # (op, outcome) -> commands
+        self._buckets: dict[str, list[int]] = {}  # op -> commands per bucket (not cumulative), +Inf last
+        self._sums: dict[str, float] = {}  # op -> seconds
+        registry.register(self)
+
+    def record(self, op: str, outcome: str, latencies: list[float]) -> None:
+        """Adds commands of one op and outcome, with their receipt-to-outcome seconds."""
+        with self._lock:
+            key = (op, outcome)
+            self._counts[key] = self._counts.get(key, 0) + len(latencies)
+            if not latencies:
+                return
+            buckets = self._buckets.get(op)
+            if buckets is None:
+                buckets = self._buckets[op] = [0] * (len(_LATENCY_BUCKETS) + 1)
+            for seconds in latencies:
+                buckets[bisect_left(_LATENCY_BUCKETS, seconds)] += 1  # le: a bound is its own bucket
+            self._sums[op] = self._sums.get(op, 0.0) + sum(latencies)
+
+    def count(self, op: str, outcome: str) -> int:
+        with self._lock:
+            return self._counts.get((op, outcome), 0)
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            counts = dict(self._counts)
+            buckets = {op: list(b) for op, b in self._buckets.items()}
+            sums = dict(self._sums)
+        yield from self._families(counts, buckets, sums)
+
+    @staticmethod
+    def _families(
+        counts: dict[tuple[str, str], int] | None = None,
+        buckets: dict[str, list[int]] | None = None,
+        sums: dict[str, float] | None = None,
+    ) -> Iterator[Metric]:
+        total = CounterMetricFamily("cachexferd_commands", "Commands by type and outcome", labels=["op", "outcome"])
+        for (op, outcome), n in sorted((counts or {}).items()):
+            total.add_metric([op, outcome], n)
+        yield total
+        latency = HistogramMetricFamily(
+            "cachexferd_command_duration_seconds", "Time from receipt to outcome, by command type", labels=["op"]
+        )
+        bounds = [*(floatToGoString(b) for b in _LATENCY_BUCKETS), "+Inf"]
+        for op, per_bucket in sorted((buckets or {}).items()):
+            cumulative, running = [], 0
+            for bound, n in zip(bounds, per_bucket):
+                running += n
+                cumulative.append((bound, running))
+            latency.add_metric([op], cumulative, (sums or {})[op])
+        yield latency

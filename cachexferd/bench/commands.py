@@ -245,7 +245,11 @@ def _median(parts: list[Part]) -> Part:
 
 def _ratios(parts: list[Part]) -> dict[str, float]:
     by = {p.name: p for p in parts}
-    ratios = {"b_over_a": by["(b) daemon"].rate / by["(a) bare loop"].rate}
+    bare = by["(a) bare loop"].rate
+    ratios = {"b_over_a": by["(b) daemon"].rate / bare}
+    batched = [p for p in parts if p.name.startswith("(d)")]
+    if batched:
+        ratios["d_over_a"] = batched[0].rate / bare
     chains = [p for p in parts if p.name.startswith("(c)")]
     if len(chains) >= 2:
         ratios["longest_chain_over_shortest"] = chains[-1].rate / chains[0].rate
@@ -253,8 +257,11 @@ def _ratios(parts: list[Part]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="cx-bench-") as tmp:
         report = measure(args, Path(tmp))
+    # The machine's load beside the figures: on a shared machine the rates move with it.
+    report["loadavg"] = {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]}
     _print(report, args)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
@@ -271,7 +278,10 @@ def _print(report: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"{p['name']:30} {p['commands']:9d} {p['rate']:9.0f} {p['p50_ms']:8.2f} {p['p99_ms']:8.2f} "
               f"{p['server_cpu_us']:10.1f} {p['failed']:7d}")  # fmt: skip
     ratios = report["ratios"]
+    print(f"load average {report['loadavg']['start']} at start, {report['loadavg']['end']} at end")
     print(f"(b) / (a) = {ratios['b_over_a']:.0%} (target >= 50%)", end="")
     if "longest_chain_over_shortest" in ratios:
         print(f"; longest chain / shortest = {ratios['longest_chain_over_shortest']:.0%} (target >= 90%)", end="")
+    if "d_over_a" in ratios:
+        print(f"; (d) / (a) = {ratios['d_over_a']:.0%}", end="")
     print("; (d) target >= 50,000 commands/s")

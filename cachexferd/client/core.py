@@ -30,6 +30,7 @@ from .pending import Completion, PendingTable
 log = logging.getLogger(__name__)
 
 _MAX_CONTROL = 4096  # unanswered pings/hellos remembered
+_CONTROL_WAIT_S = 0.5
 
 
 class EngineCore:
@@ -44,6 +45,7 @@ class EngineCore:
         self.pending = PendingTable(list(range(n_links)))
         self._ids = itertools.count(1)
         self._control: set[int] = set()  # req_ids of our own pings and hellos
+        self._last_control = 0.0  # when the last of them was made
         self._last_beat = time.monotonic()
 
     def next_req_id(self) -> int:
@@ -56,8 +58,14 @@ class EngineCore:
             events_key=self.events_key,
         )  # fmt: skip
 
+    def awaiting_control(self, now: float) -> bool:
+        """Whether a ping or hello made lately still awaits its reply (one to a dead daemon
+        never gets one: after _CONTROL_WAIT_S it no longer counts)."""
+        return bool(self._control) and now - self._last_control < _CONTROL_WAIT_S
+
     def _control_id(self) -> int:
         req_id = self.next_req_id()
+        self._last_control = time.monotonic()
         self._control.add(req_id)
         if len(self._control) > _MAX_CONTROL:  # pings to a dead daemon are never answered
             self._control = set(sorted(self._control)[-_MAX_CONTROL // 4 :])

@@ -86,6 +86,9 @@ class Link:
         self.rank: int | None = None
         self.info: dict[str, Any] = {}
         self.outbox: list[tuple[MsgType, dict[str, Any]]] = []  # queued for one BATCH envelope
+        # When the DEALER was first used (a send) since its replies were last looked for:
+        # a send may take in libzmq's news of a waiting reply without the fd showing it.
+        self.unchecked_since: float | None = None
         # Connection events: a daemon that dies is noticed at once, not at a timeout; and with
         # CURVE, a refused key (which looks like silence) is explained.
         events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILURES
@@ -120,6 +123,8 @@ class Link:
         return []
 
     def _send(self, frames: list[bytes]) -> None:
+        if self.unchecked_since is None:
+            self.unchecked_since = time.monotonic()
         try:
             send_frames(self.sock, frames)
         except zmq.ZMQError as exc:
@@ -142,6 +147,7 @@ class Link:
 
     def call(self, cmd: Command, timeout_s: float, on_other: Callable[[Outcome], None] | None = None) -> Outcome:
         """Sends and waits for the reply to ``cmd``; other replies go to ``on_other``."""
+        self.unchecked_since = 0.0  # its polls take in libzmq's news: look for replies at the next poll()
         self.send(cmd)
         deadline = time.monotonic() + timeout_s
         while True:

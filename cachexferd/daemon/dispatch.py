@@ -25,8 +25,10 @@ from ..protocol import (
     batch_item,
     batch_items,
     command_from_body,
+    decode_commands,
     decode_frames,
 )
+from .request import Request
 
 if TYPE_CHECKING:
     from .handlers import Handlers
@@ -43,6 +45,11 @@ Admit = Callable[[Command], None]  # raises SHUTTING_DOWN when the daemon no lon
 
 
 class Dispatcher:
+    """Accepted asynchronous commands are registered with the block ordering together, at
+    the end of the message that carried them (a BATCH envelope's worth at once), or before
+    any synchronous command runs, so what that command sees (PAUSE's drain, DETACH's, a
+    STATUS) includes every command that arrived before it."""
+
     def __init__(
         self, handlers: Handlers, jobs: Jobs, outcomes: Outcomes, sessions: Sessions, max_inflight: int,
         admit: Admit, spawn: Spawn,
@@ -50,91 +57,108 @@ class Dispatcher:
         self.handlers, self.jobs, self.outcomes, self.sessions = handlers, jobs, outcomes, sessions
         self.max_inflight, self._admit, self._spawn = max_inflight, admit, spawn
         self._inflight: set[tuple[bytes, int]] = set()  # (client identity, req_id) without outcome
-        self._held: deque[tuple[bytes, Command, float]] | None = None  # behind a running barrier
+        self._held: deque[Request] | None = None  # behind a running barrier
+        self._accepted: list[Request] = []  # asynchronous commands accepted, not yet registered
 
     # Frames ---------------------------------------------------------------------------
 
     def on_frames(self, identity: bytes, frames: list[bytes], received: float) -> None:
         """One message from the command socket: a command or a BATCH of them."""
+        cmds = decode_commands(frames)  # the typed fast path: well-formed traffic
+        if cmds is None:
+            self._on_checked_frames(identity, frames, received)
+        else:
+            for cmd in cmds:  # in order, exactly as if they had arrived one by one
+                self.accept(Request(identity, cmd, received))
+        self._register_accepted()
+
+    def _on_checked_frames(self, identity: bytes, frames: list[bytes], received: float) -> None:
+        """Whatever the fast path did not take, decoded field by field: the error outcomes."""
         try:
             msg_type, body = decode_frames(frames)
             if msg_type != MsgType.BATCH:
-                self.accept(identity, command_from_body(msg_type, body), received)
+                self.accept(Request(identity, command_from_body(msg_type, body), received))
                 return
             items = batch_items(body)
         except ProtocolError as exc:
             self._refuse(identity, exc, received)
             return
-        for item in items:  # in order, exactly as if they had arrived one by one
+        for item in items:
             try:
                 cmd = batch_item(item)
             except ProtocolError as exc:
                 self._refuse(identity, exc, received)
                 continue
-            self.accept(identity, cmd, received)
+            self.accept(Request(identity, cmd, received))
 
     def _refuse(self, identity: bytes, exc: ProtocolError, received: float) -> None:
-        self.outcomes.send(identity, exc.msg_type, exc.req_id, exc.code, exc.detail, {}, received)
+        self.outcomes.send(Request.refused(identity, exc, received), exc.code, exc.detail, {})
 
     # Commands -------------------------------------------------------------------------
 
-    def accept(self, identity: bytes, cmd: Command, received: float) -> None:
+    def accept(self, req: Request) -> None:
+        cmd = req.cmd
+        assert cmd is not None
         if self._held is not None and cmd.TYPE not in IMMEDIATE:
-            self._held.append((identity, cmd, received))
+            self._held.append(req)
             return
-        key = (identity, cmd.req_id)
-        if key in self._inflight:
-            detail = f"req_id {cmd.req_id} is already in flight; this refusal is not that command's outcome"
-            self.outcomes.send(identity, cmd.TYPE, cmd.req_id, ErrorCode.DUPLICATE_REQ_ID, detail, {}, received,
-                               as_reply=True)  # fmt: skip
+        if (req.identity, req.req_id) in self._inflight:
+            detail = f"req_id {req.req_id} is already in flight; this refusal is not that command's outcome"
+            self.outcomes.send(req, ErrorCode.DUPLICATE_REQ_ID, detail, {}, as_reply=True)
             return
         try:
             if cmd.TYPE not in IMMEDIATE:
                 self._admit(cmd)
             if cmd.ASYNC:
-                self._start_job(identity, cmd, received)
+                self._start_job(req, cmd)
             else:
-                self._run_sync(identity, cmd, received)
+                self._run_sync(req, cmd)
         except ProtocolError as exc:
-            self.outcomes.send(identity, cmd.TYPE, cmd.req_id, exc.code, exc.detail, {}, received)
+            self.outcomes.send(req, exc.code, exc.detail, {})
+        except Exception as exc:  # a bug in a handler: this command still gets its outcome
+            log.exception("%s req_id=%d failed", cmd.TYPE.name, req.req_id)
+            self.outcomes.send(req, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", {})
 
-    def _start_job(self, identity: bytes, cmd: Command, received: float) -> None:
-        session = self.sessions.get(identity)
+    def _start_job(self, req: Request, cmd: Command) -> None:
+        session = self.sessions.get(req.identity)
         if session is None or session.events is None:
             raise ProtocolError(
                 ErrorCode.NO_EVENT_CHANNEL, "asynchronous commands need a hello that names an events endpoint"
             )
-        if len(self.jobs.ordering) >= self.max_inflight:
+        if len(self.jobs.ordering) + len(self._accepted) >= self.max_inflight:
             raise ProtocolError(ErrorCode.BUSY, f"{self.max_inflight} commands in flight; retry later")
-        job = self.handlers.jobs[cmd.TYPE](cmd)
-        self._inflight.add((identity, cmd.req_id))
+        req.job = self.handlers.jobs[cmd.TYPE](cmd)
+        self._inflight.add((req.identity, req.req_id))
         session.inflight += 1
-        self.jobs.submit(identity, cmd, job, received)
+        self._accepted.append(req)
 
-    def job_done(self, identity: bytes, cmd: Command, code: int, detail: str, result: dict[str, Any],
-                 received: float) -> None:  # fmt: skip
+    def _register_accepted(self) -> None:
+        accepted, self._accepted = self._accepted, []
+        if accepted:
+            self.jobs.submit(accepted)
+
+    def job_done(self, req: Request, code: int, detail: str, result: dict[str, Any]) -> None:
         """The completion callback of Jobs: forget the req_id, send the outcome."""
-        self._inflight.discard((identity, cmd.req_id))
-        session = self.sessions.get(identity)
+        self._inflight.discard((req.identity, req.req_id))
+        session = self.sessions.get(req.identity)
         if session is not None and session.inflight:
             session.inflight -= 1
-        self.outcomes.send(identity, cmd.TYPE, cmd.req_id, code, detail, result, received)
+        self.outcomes.send(req, code, detail, result)
 
-    def _run_sync(self, identity: bytes, cmd: Command, received: float) -> None:
+    def _run_sync(self, req: Request, cmd: Command) -> None:
+        self._register_accepted()  # what arrived before this command is in flight for it
         if cmd.TYPE == MsgType.HELLO:
             self.outcomes.flush()  # events batched for the channel this hello may replace go out first
-        result = self.handlers.sync[cmd.TYPE](identity, cmd)
+        result = self.handlers.sync[cmd.TYPE](req.identity, cmd)
         if isinstance(result, dict):
-            self.outcomes.send(identity, cmd.TYPE, cmd.req_id, ErrorCode.OK, "", result, received)
+            self.outcomes.send(req, ErrorCode.OK, "", result)
             return
-        key = (identity, cmd.req_id)
-        self._inflight.add(key)
+        self._inflight.add((req.identity, req.req_id))
         if cmd.TYPE in BARRIERS:
             self._held = deque()
-        self._spawn(self._finish_sync(key, cmd, result, received))
+        self._spawn(self._finish_sync(req, cmd, result))
 
-    async def _finish_sync(self, key: tuple[bytes, int], cmd: Command, pending: Awaitable[dict[str, Any]],
-                           received: float) -> None:  # fmt: skip
+    async def _finish_sync(self, req: Request, cmd: Command, pending: Awaitable[dict[str, Any]]) -> None:
         code, detail, result = ErrorCode.OK, "", {}
         try:
             result = await pending
@@ -143,8 +167,8 @@ class Dispatcher:
         except Exception as exc:
             log.exception("%s failed", cmd.TYPE.name)
             code, detail = ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
-        self._inflight.discard(key)
-        self.outcomes.send(key[0], cmd.TYPE, cmd.req_id, code, detail, result, received)
+        self._inflight.discard((req.identity, req.req_id))
+        self.outcomes.send(req, code, detail, result)
         if cmd.TYPE in BARRIERS:
             self._release_held()
 
@@ -152,14 +176,14 @@ class Dispatcher:
         """Judges what waited behind a barrier, in order; a later barrier holds the rest again."""
         held, self._held = self._held, None
         while held:
-            identity, cmd, received = held.popleft()
-            self.accept(identity, cmd, received)
+            self.accept(held.popleft())
             behind = self._barrier_queue()
             if behind is not None:  # that one was a barrier: the rest waits for it
                 behind.extend(held)
-                return
+                break
+        self._register_accepted()
 
-    def _barrier_queue(self) -> deque[tuple[bytes, Command, float]] | None:
+    def _barrier_queue(self) -> deque[Request] | None:
         return self._held
 
     @property

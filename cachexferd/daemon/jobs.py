@@ -2,15 +2,17 @@
 
 A Job is what a handler returns after validating a command: the blocks it touches and
 either a copy (a swap) or a coroutine function (storage I/O, clear-host). ``Jobs.submit``
-registers it with the block ordering synchronously, so arrival order is the order. A job
-with no unfinished dependency is ready at once; the others become ready when the ordering
-releases what they wait for. Nothing waits in a task of its own.
+registers the accepted commands (Requests carrying their jobs) with the block ordering
+synchronously, in arrival order, so arrival order is the order. A job with no unfinished
+dependency is ready at once; the others become ready when the ordering releases what they
+wait for. Nothing waits in a task of its own.
 
 Ready jobs are started once per loop iteration: every ready copy of one direction goes to
 the copy backend as one batch (one hand-off to the copy workers for the lot, not one per
 command; a batch of a few small blocks is copied on the spot, see DeviceCache.inline_bytes),
-every other job runs as a task. Each job ends in ``_complete``, which decides its
-outcome exactly once, releases its blocks and starts whatever that made ready.
+every other job runs as a task. Each job ends in ``_complete`` (a batch of copies in
+``_copies_done``), which decides its outcome exactly once, releases its blocks and starts
+whatever that made ready.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..backends.base import CancelToken, DeviceCache, Direction, SwapRequest
-from ..protocol import Command, ErrorCode, ProtocolError
+from ..protocol import ErrorCode, ProtocolError
 from .ordering import Access, BlockOrdering, Entry
+from .request import Request
 
 if TYPE_CHECKING:
     from ..metrics import DaemonMetrics
@@ -31,8 +34,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Work = Callable[[CancelToken], Awaitable[dict[str, Any]]]
-# (identity, command, code, detail, result, received): sends the one outcome.
-Complete = Callable[[bytes, Command, int, str, dict[str, Any], float], None]
+# (request, code, detail, result): sends the one outcome.
+Complete = Callable[[Request, int, str, dict[str, Any]], None]
 MAX_COPY_BATCH = 256  # commands per hand-off: bounds how long the first of a burst waits for the last
 
 
@@ -62,30 +65,30 @@ class Job(NamedTuple):
     copy: Copy | None = None  # swaps: batched with the other ready copies
 
 
-class Ticket(NamedTuple):
-    """What an ordering entry carries: who asked, what, and when it arrived."""
-
-    identity: bytes
-    cmd: Command
-    job: Job
-    received: float
-
-
 class Jobs:
     def __init__(self, ordering: BlockOrdering, metrics: DaemonMetrics, complete: Complete) -> None:
         self.ordering = ordering
         self.metrics = metrics
-        self._complete_cb = complete
+        self._complete_cb = complete  # the entries' payloads are Requests; this sends their outcomes
         self._ready: list[Entry] = []
         self._scheduled = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._held: set[asyncio.Task[None]] = set()  # not awaited at shutdown: may never end
+        self._moved = {d: metrics.transfer_bytes.labels(d.value) for d in Direction}
 
-    def submit(self, identity: bytes, cmd: Command, job: Job, received: float) -> None:
-        entry = self.ordering.register(job.access, Ticket(identity, cmd, job, received))
-        if entry.ready:
-            self._make_ready([entry])
-        else:
+    def submit(self, requests: list[Request]) -> None:
+        """Registers accepted commands (each with its job), in arrival order, and schedules
+        the start of those that wait for nothing."""
+        register = self.ordering.register
+        ready = []
+        for req in requests:
+            assert req.job is not None
+            entry = register(req.job.access, req)
+            if entry.unmet == 0:
+                ready.append(entry)
+        if ready:
+            self._make_ready(ready)
+        if len(ready) < len(requests):
             self._publish()
 
     def _make_ready(self, entries: list[Entry]) -> None:
@@ -99,7 +102,7 @@ class Jobs:
         ready, self._ready = self._ready, []
         batches: dict[tuple[int, Direction], list[Entry]] = {}
         for entry in ready:
-            job = entry.payload.job
+            job: Job = entry.payload.job
             if entry.cancel.cancelled:  # cancelled while it waited: it never starts
                 self._complete(entry, entry.cancel.code, entry.cancel.detail, {})
                 continue
@@ -140,26 +143,29 @@ class Jobs:
         self._publish()
 
     def _copies_done(self, entries: list[Entry], errors: list[BaseException | None], started: float) -> None:
+        """The outcomes of a batch of copies, their blocks released together."""
         finished = time.monotonic()
-        copies: list[Copy] = [e.payload.job.copy for e in entries]
-        first = copies[0]
+        first: Copy = entries[0].payload.job.copy
         block_bytes = first.cache.layout.host_block_bytes
         moved = 0
-        for entry, copy, error in zip(entries, copies, errors):
+        ready: list[Entry] = []
+        complete, done = self.ordering.complete, self._complete_cb
+        for entry, error in zip(entries, errors):
+            req: Request = entry.payload
             if error is None:
-                nbytes = len(copy.device_ids) * block_bytes
-                moved += nbytes
-                result = {
-                    "blocks": len(copy.device_ids),
-                    "bytes": nbytes,
-                    "started_at": started,
-                    "finished_at": finished,
-                }
-                self._complete(entry, ErrorCode.OK, "", result)
+                blocks = len(req.job.copy.device_ids)  # type: ignore[union-attr]
+                moved += blocks * block_bytes
+                ready += complete(entry, ErrorCode.OK)
+                result = {"blocks": blocks, "bytes": blocks * block_bytes, "started_at": started,
+                          "finished_at": finished}  # fmt: skip
+                done(req, ErrorCode.OK, "", result)
             else:
                 code, detail = self._describe(entry, error)
-                self._complete(entry, code, detail, {})
-        self.metrics.transfer_bytes.labels(first.direction.value).inc(moved)
+                ready += complete(entry, code)
+                done(req, code, detail, {})
+        if ready:
+            self._make_ready(ready)
+        self._moved[first.direction].inc(moved)
 
     async def _run_work(self, entry: Entry) -> None:
         work = entry.payload.job.work
@@ -182,22 +188,21 @@ class Jobs:
     def _describe(self, entry: Entry, error: BaseException) -> tuple[ErrorCode, str]:
         if isinstance(error, ProtocolError):
             return error.code, error.detail
-        cmd = entry.payload.cmd
-        log.error("%s req_id=%d failed", cmd.TYPE.name, cmd.req_id, exc_info=error)
+        req: Request = entry.payload
+        log.error("%s req_id=%d failed", req.cmd.TYPE.name if req.cmd else req.op, req.req_id, exc_info=error)
         return ErrorCode.INTERNAL, f"{type(error).__name__}: {error}"  # a bug must still produce an outcome
 
     def _complete(
         self, entry: Entry, code: int, detail: str, result: dict[str, Any], hold: Awaitable[Any] | None = None
     ) -> None:
-        self.ordering.finish(entry, code)
         if hold is None:
-            ready = self.ordering.release(entry)
+            ready = self.ordering.complete(entry, code)
             if ready:
                 self._make_ready(ready)
         else:
+            self.ordering.finish(entry, code)
             self._release_later(entry, hold)
-        ticket: Ticket = entry.payload
-        self._complete_cb(ticket.identity, ticket.cmd, code, detail, result, ticket.received)
+        self._complete_cb(entry.payload, code, detail, result)
 
     def _release_later(self, entry: Entry, running: Awaitable[Any]) -> None:
         async def release() -> None:

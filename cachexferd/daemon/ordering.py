@@ -65,11 +65,15 @@ def _overlap(mine: frozenset[int] | frozenset[str], *theirs: frozenset[int] | fr
     return bool(mine) and any(not mine.isdisjoint(other) for other in theirs if other)
 
 
+_NONE: frozenset[Any] = frozenset()
+_new_access = tuple.__new__  # positional, without NamedTuple's keyword handling: one per swap
+
+
 def swap_access(device_ids: Iterable[int], host_ids: Iterable[int], to_host: bool) -> Access:
     device, host = frozenset(device_ids), frozenset(host_ids)
-    if to_host:
-        return Access(device_read=device, host_write=host)
-    return Access(host_read=host, device_write=device)
+    if to_host:  # (device_read, device_write, host_read, host_write, all_host_write, keys_read, keys_write)
+        return _new_access(Access, (device, _NONE, _NONE, host, False, _NONE, _NONE))
+    return _new_access(Access, (_NONE, device, host, _NONE, False, _NONE, _NONE))
 
 
 class Phase(IntEnum):
@@ -171,21 +175,25 @@ class BlockOrdering:
         self.examined = 0  # ids and dependencies looked at, ever (a work count for tests)
 
     def register(self, access: Access, payload: Any = None) -> Entry:
-        """Adds a command; ``entry.ready`` tells whether it may start now."""
+        """Adds a command; ``entry.ready`` tells whether it may start now. A board the command
+        does not touch is not visited: a swap looks at two boards, a lookup at one."""
         entry = Entry(access, payload)
         deps: set[Entry] = set()
-        self.examined += self._device.claim(entry, access.device_read, access.device_write, deps)
-        self.examined += self._host.claim(entry, access.host_read, access.host_write, deps)
-        self.examined += self._keys.claim(entry, access.keys_read, access.keys_write, deps)
-        if access.touches_host:
+        device_read, device_write, host_read, host_write, all_host, keys_read, keys_write = access
+        if device_read or device_write:
+            self.examined += self._device.claim(entry, device_read, device_write, deps)
+            self._device_entries[entry] = None
+        if host_read or host_write or all_host:
+            self.examined += self._host.claim(entry, host_read, host_write, deps)
             self._claim_all_host(entry, deps)
             self._host_entries[entry] = None
-        if access.touches_device:
-            self._device_entries[entry] = None
-        for dep in deps:
-            dep.dependents.append(entry)
-        entry.unmet = len(deps)
-        self.examined += len(deps)
+        if keys_read or keys_write:
+            self.examined += self._keys.claim(entry, keys_read, keys_write, deps)
+        if deps:
+            for dep in deps:
+                dep.dependents.append(entry)
+            entry.unmet = len(deps)
+            self.examined += len(deps)
         self._entries[entry] = None
         self.waiting += 1
         return entry
@@ -219,23 +227,36 @@ class BlockOrdering:
         """Frees the entry's blocks; returns dependents that became ready, in order."""
         if entry.phase is Phase.RELEASED:
             return []
-        self.finish(entry, entry.code)
+        return self.complete(entry, entry.code)
+
+    def complete(self, entry: Entry, code: int) -> list[Entry]:
+        """``finish`` and ``release`` at once (the common end of a job); returns the
+        dependents that became ready, in registration order."""
+        if entry.phase is Phase.RELEASED:
+            return []
+        self.finish(entry, code)
         entry.phase = Phase.RELEASED
-        access = entry.access
-        self._device.drop(entry, access.device_read, access.device_write)
-        self._host.drop(entry, access.host_read, access.host_write)
-        self._keys.drop(entry, access.keys_read, access.keys_write)
-        if self._host_barrier is entry:
-            self._host_barrier = None
-        self._entries.pop(entry, None)
-        self._device_entries.pop(entry, None)
-        self._host_entries.pop(entry, None)
+        device_read, device_write, host_read, host_write, all_host, keys_read, keys_write = entry.access
+        if device_read or device_write:
+            self._device.drop(entry, device_read, device_write)
+            del self._device_entries[entry]
+        if host_read or host_write or all_host:
+            self._host.drop(entry, host_read, host_write)
+            del self._host_entries[entry]
+            if self._host_barrier is entry:
+                self._host_barrier = None
+        if keys_read or keys_write:
+            self._keys.drop(entry, keys_read, keys_write)
+        del self._entries[entry]
+        dependents = entry.dependents
+        if not dependents:
+            return []
+        entry.dependents = []
         ready = []
-        for dependent in entry.dependents:
+        for dependent in dependents:
             dependent.unmet -= 1
             if dependent.unmet == 0:
                 ready.append(dependent)
-        entry.dependents = []
         return ready
 
     def active(self, device_only: bool = False) -> list[Entry]:

@@ -5,6 +5,10 @@ out as an EVENT on that channel; everything else (synchronous commands, commands
 not be decoded or admitted before a session existed, and every DUPLICATE_REQ_ID refusal) is
 a REPLY on the command socket. Clients that asked for batched events in their hello get the
 events of one loop iteration in one EVENT_BATCH message per event endpoint.
+
+Accounting is per flush as well: each outcome only notes its op, code and arrival time;
+the flush (once per loop iteration with outcomes) adds them to the command counter and the
+latency histogram in one call per (op, code).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from ..protocol import ASYNC_TYPES, ErrorCode, Limits, MsgType, encode_event_bat
 
 if TYPE_CHECKING:
     from ..metrics import DaemonMetrics
+    from .request import Request
     from .sessions import EventSinks, Sessions
 
 log = logging.getLogger(__name__)
@@ -42,22 +47,22 @@ class Outcomes:
         self.metrics, self.sessions, self.sinks, self._reply = metrics, sessions, sinks, reply
         self._pending: dict[str, list[list[Any]]] = {}  # event endpoint -> compact outcomes to batch
         self._scheduled = False
-        # prometheus_client's labels() costs a locked lookup: keep the children.
-        self._counted: dict[tuple[int, int], Any] = {}
-        self._tally: dict[tuple[int, int], int] = {}
-        self._timed: dict[int, Any] = {}
+        self._decided: dict[tuple[int, int], list[float]] = {}  # (op, code) -> arrival times, until the flush
 
-    def send(
-        self, identity: bytes, op: int, req_id: int, code: int, detail: str, result: dict[str, Any], received: float,
-        *, as_reply: bool = False,
-    ) -> None:  # fmt: skip
+    def send(self, req: Request, code: int, detail: str, result: dict[str, Any], *, as_reply: bool = False) -> None:
         """Sends one command's outcome (exactly once per command: the caller's duty)."""
-        self._count(op, code, received)
-        if code != ErrorCode.OK:
+        op, req_id = req.op, req.req_id
+        arrivals = self._decided.get((op, code))
+        if arrivals is None:
+            self._decided[(op, code)] = [req.received]
+            self._schedule()
+        else:
+            arrivals.append(req.received)
+        if code and log.isEnabledFor(logging.DEBUG):  # the names cost more than the check
             log.debug("%s req_id=%d -> %s: %s", op_name(op), req_id, code_name(code), detail)
-        session = self.sessions.get(identity)
+        session = self.sessions.get(req.identity)
         if as_reply or op not in ASYNC_TYPES or not req_id or session is None or session.events is None:
-            self._reply(identity, self._encode(MsgType.REPLY, req_id, op, code, detail, result))
+            self._reply(req.identity, self._encode(MsgType.REPLY, req_id, op, code, detail, result))
         elif session.batch_events:
             self._queue(session.events, [req_id, op, code, detail, result])
         elif not self.sinks.send(session.events, self._encode(MsgType.EVENT, req_id, op, code, detail, result)):
@@ -68,18 +73,13 @@ class Outcomes:
     ) -> list[bytes]:
         return encode_outcome_fields(kind, req_id, self.boot_id, self.rank, op, int(code), detail, result)
 
-    def _count(self, op: int, code: int, received: float) -> None:
-        key = (op, code)
-        self._tally[key] = self._tally.get(key, 0) + 1  # added to the counter at the next flush
-        self._schedule()
-        timer = self._timed.get(op)
-        if timer is None:
-            timer = self._timed[op] = self.metrics.latency.labels(op_name(op))
-        timer.observe(time.monotonic() - received)
-
     def _queue(self, endpoint: str, entry: list[Any]) -> None:
-        self._pending.setdefault(endpoint, []).append(entry)
-        self._schedule()
+        entries = self._pending.get(endpoint)
+        if entries is None:
+            self._pending[endpoint] = [entry]
+            self._schedule()
+        else:
+            entries.append(entry)
 
     def _schedule(self) -> None:
         if not self._scheduled:
@@ -88,14 +88,8 @@ class Outcomes:
 
     def flush(self) -> None:
         """Sends the batched events (one EVENT_BATCH per endpoint, split at MAX_BATCH) and
-        adds the tallied outcomes to the commands counter."""
+        accounts for the outcomes decided since the last flush."""
         self._scheduled = False
-        tally, self._tally = self._tally, {}
-        for (op, code), count in tally.items():
-            counter = self._counted.get((op, code))
-            if counter is None:
-                counter = self._counted[(op, code)] = self.metrics.commands.labels(op_name(op), code_name(code))
-            counter.inc(count)
         pending, self._pending = self._pending, {}
         for endpoint, entries in pending.items():
             for start in range(0, len(entries), Limits.MAX_BATCH):
@@ -103,3 +97,10 @@ class Outcomes:
                 if not self.sinks.send(endpoint, encode_event_batch(self.boot_id, self.rank, chunk)):
                     self.metrics.events_dropped.inc(len(chunk))
         self.sinks.close_retired()
+        self._account()
+
+    def _account(self) -> None:
+        decided, self._decided = self._decided, {}
+        now = time.monotonic()
+        for (op, code), arrivals in decided.items():
+            self.metrics.commands.record(op_name(op), code_name(code), [now - t for t in arrivals])

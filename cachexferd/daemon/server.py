@@ -36,7 +36,7 @@ from ..config import Config
 from ..metrics import DaemonMetrics
 from ..protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR, Command, ErrorCode, Limits, MsgType, ProtocolError
 from ..security import AccessError, curve_enabled, load_server_keys
-from ..zmqio import readable, recv_frames, send_frames
+from ..zmqio import readable, send_frames
 from .access import AccessControl
 from .device import DeviceSlot
 from .dispatch import Dispatcher
@@ -47,6 +47,7 @@ from .notify import sd_notify
 from .ordering import BlockOrdering
 from .outcomes import Outcomes
 from .pausing import Pausing
+from .request import Request
 from .sessions import EventSinks, Sessions
 from .storage_tier import open_storage
 
@@ -56,6 +57,7 @@ _ROUTER_HWM = 100_000
 _RECEIVE_BATCH = 256  # messages read per wake-up before the loop runs everything else
 _QUIESCE_QUIET_S = 0.1  # shutdown: stop reading after the socket is this quiet...
 _QUIESCE_MAX_S = 2.0  # ...or after this long at most
+_NOBLOCK, _RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)  # plain ints: see zmqio
 _GC_YOUNG_THRESHOLD = 20_000  # allocations between young-generation collections (default 700)
 
 
@@ -342,16 +344,21 @@ class Daemon:
         router = self.router
         if router is None or router.closed:
             return
+        recv, more, note, on_frames = router.recv, router.getsockopt, self.access.peers.note, self.dispatcher.on_frames
         for _ in range(_RECEIVE_BATCH):
             try:  # the first frame (the identity) as a Frame: its metadata names the peer
-                first = router.recv(zmq.NOBLOCK, copy=False)
+                first = recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            frames = recv_frames(router) if first.more else []  # all parts arrive together
-            identity = self.access.peers.note(first, frames[0] if frames else b"")
+            frames: list[bytes] = []
+            if first.more:  # the parts of a message arrive together: none of these reads waits
+                frames.append(recv(_NOBLOCK))
+                while more(_RCVMORE):
+                    frames.append(recv(_NOBLOCK))
+            identity = note(first, frames[0] if frames else b"")
             self._last_receive = now = time.monotonic()
             try:
-                self.dispatcher.on_frames(identity, frames, now)
+                on_frames(identity, frames, now)
             except Exception:  # never let one message stop the daemon
                 log.exception("unhandled error dispatching a message")
         self._check_readable()
@@ -368,9 +375,8 @@ class Daemon:
         if self.state is not DaemonState.RUNNING:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, f"daemon is {self.state.value}")
 
-    def _job_done(self, identity: bytes, cmd: Command, code: int, detail: str, result: dict[str, Any],
-                  received: float) -> None:  # fmt: skip
-        self.dispatcher.job_done(identity, cmd, code, detail, result, received)
+    def _job_done(self, req: Request, code: int, detail: str, result: dict[str, Any]) -> None:
+        self.dispatcher.job_done(req, code, detail, result)
 
     def _reply(self, identity: bytes, frames: list[bytes]) -> None:
         router = self.router

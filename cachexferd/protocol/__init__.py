@@ -46,6 +46,7 @@ from .messages import (
     SwapIn,
     SwapOut,
 )
+from .typed import decode_commands
 
 __all__ = [
     "ASYNC_TYPES",
@@ -83,6 +84,7 @@ __all__ = [
     "batch_items",
     "command_from_body",
     "decode_command",
+    "decode_commands",
     "decode_frames",
     "decode_header",
     "decode_outcome",

@@ -21,14 +21,6 @@ OWNER_CHARS = 64  # longest owner token of a host block (protocol 1.2)
 STORAGE_SOURCES = frozenset({"host", "device"})
 
 
-def _one_key(name: str, value: Any) -> str:
-    """One storage key, checked like an entry of ``keys``."""
-    if type(value) is not str:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be a key (a string)")
-    key: str = f.key_list(1)(name, [value])[0]
-    return key
-
-
 def _spec(check: f.Check, default: Any = MISSING) -> Any:
     if default is MISSING:
         return field(metadata={"check": check})
@@ -182,7 +174,7 @@ class Store(Command):
     not_after: float | None = _spec(f.optional(f.number(0.0, 1e12)), None)  # as SWAP_OUT's (1.2)
     # Protocol 1.2: the key before keys[0] in its chain, when this STORE extends a chain stored
     # earlier (an eviction hint: chain tails are evicted before heads).
-    parent: str | None = _spec(f.optional(_one_key), None)
+    parent: str | None = _spec(f.optional(f.key()), None)
 
 
 @dataclass(frozen=True, kw_only=True)
