@@ -126,7 +126,7 @@ def test_fast_body_takes_what_the_checked_path_takes(msg_type: int) -> None:
         "req_id": 2**64 - 1, "boot_id": "b" * 64, "device_ids": [0, 2**31 - 1], "host_ids": [5, 6],
         "keys": ["k!~", "x" * 256], "protocol": [1, 2], "client": "c", "role": "tool", "events": None, "pid": 9,
         "batch_events": True, "drain_timeout_s": 3600, "version": 2**63 - 1, "parent": "p~!",
-        "events_key": "k" * 40, "weights_version": 7,
+        "events_key": "k" * 40, "weights_version": 7, "owner": "o" * 64, "not_after": 1e12, "supersede": True,
     }  # fmt: skip
     body = {fld.name: sample[fld.name] for fld in fields(cls)}
     data = msgpack.packb(body, use_bin_type=True)
