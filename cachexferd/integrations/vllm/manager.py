@@ -63,6 +63,8 @@ class CachexferdManager(OffloadingManager):
         self.index: OffloadIndex | None = None
         self._built_for: tuple[int, list[int | None]] = (-1, [])  # (conn.opened, host generations)
         self._failed: set[bytes] = set()  # digests the workers reported failed, until completed
+        self._owner_base = owner
+        self._epoch = 0  # indexes built so far: part of the owner token of the current one
         self.prefetch = StoragePrefetch(names, owner=owner, timeout_s=options.max_stall_s)
         self._storage = False  # whether the current index writes through to storage
         self.stats = {"lookups": 0, "hits": 0, "loads": 0, "stores": 0, "store_refused": 0, "rebuilds": 0,
@@ -107,11 +109,20 @@ class CachexferdManager(OffloadingManager):
             return None
         storage = self.options.uses_storage and all(_has_storage(s) for s in statuses)
         self._storage = storage
+        # A new owner token per index: stores the old index planned may still land in host
+        # blocks the new one hands out; their stamps then refuse any read the new one plans.
+        self._epoch += 1
+        self.prefetch.owner = self.owner
         self.prefetch.reset()
         self.stats["rebuilds"] += 1
         log.info("cachexferd: host tier of %d blocks on %d rank(s), storage %s", blocks, len(statuses),
                  "write-through" if storage else "off")  # fmt: skip
         return self._make_index(blocks, storage)
+
+    @property
+    def owner(self) -> str:
+        """The owner token of the current index's host blocks."""
+        return f"{self._owner_base}-e{self._epoch}"
 
     def _digests(self, keys: Iterable[bytes]) -> list[bytes]:
         return [self.names.block_hash(k).digest for k in keys]
@@ -157,7 +168,7 @@ class CachexferdManager(OffloadingManager):
             return HostLoadSpec(req_context.req_id, keys, [-1] * len(keys), [False] * len(keys))
         placed = prepare_loads(index, self._digests(keys))
         self.stats["loads"] += 1
-        return HostLoadSpec(req_context.req_id, keys, placed.host_ids, placed.from_storage)
+        return HostLoadSpec(req_context.req_id, keys, placed.host_ids, placed.from_storage, self.owner)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         if self.index is not None:
@@ -190,7 +201,7 @@ class CachexferdManager(OffloadingManager):
             return None
         self.stats["stores"] += 1
         store_keys = [by_digest[d] for d in placed.digests]
-        spec = HostStoreSpec(store_keys, placed.host_ids, write_through=placed.write_through)
+        spec = HostStoreSpec(store_keys, placed.host_ids, write_through=placed.write_through, owner=self.owner)
         # Evicted keys only feed vLLM's KV events; the index reports evictions by digest.
         return PrepareStoreOutput(keys_to_store=store_keys, store_spec=spec, evicted_keys=[])
 

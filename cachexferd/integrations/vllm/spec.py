@@ -48,8 +48,9 @@ class CachexferdOffloadingSpec(OffloadingSpec):
             dtype=config.model.dtype, layout=layout, tokens_per_block=group.tokens_per_block,
             tp_size=config.parallel.world_size,
         )  # fmt: skip
-        # Stamped on every host block this vLLM instance writes, checked on every read (1.2).
-        self.owner = f"vllm-{runtime.get('instance') or 'unknown'}-{self.names.space.digest[:16]}"[:64]
+        # Stamped on every host block this vLLM instance writes, checked on every read (1.2);
+        # the manager adds the epoch of its index (room left for it within the 64 characters).
+        self.owner = f"vllm-{runtime.get('instance') or 'unknown'}-{self.names.space.digest[:16]}"[:52]
         self.allocation: SegmentAllocation | None = None  # set by the connector (worker side, CPU)
         self._manager: CachexferdManager | None = None
         self._worker: CachexferdWorker | None = None

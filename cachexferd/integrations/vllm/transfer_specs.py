@@ -2,6 +2,9 @@
 
 Host block ids are the same on every rank: each rank's daemon has its own host cache cut
 into the same number of blocks, and the manager allocates ids for all of them at once.
+``owner`` is the owner token of the manager's index that placed the blocks (protocol 1.2:
+written blocks are stamped with it, reads name it): a transfer planned by an index the
+manager has since dropped can never be read back under the new one.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ class HostStoreSpec(LoadStoreSpec):
         evicted_keys: list[OffloadKey] | None = None,
         evicted_host_ids: list[int] | None = None,
         write_through: bool = False,
+        owner: str = "",
     ) -> None:
         self.keys = list(keys)
+        self.owner = owner
         self.host_ids = list(host_ids)
         self.evicted_keys = list(evicted_keys or [])
         self.evicted_host_ids = list(evicted_host_ids or [])
@@ -36,8 +41,11 @@ class HostLoadSpec(LoadStoreSpec):
     """Load job: block ``i`` comes from host block ``host_ids[i]``; where ``from_storage[i]``
     it is first read from storage into that host block (LOAD), else it is already there."""
 
-    def __init__(self, req_id: str, keys: list[OffloadKey], host_ids: list[int], from_storage: list[bool]) -> None:
+    def __init__(
+        self, req_id: str, keys: list[OffloadKey], host_ids: list[int], from_storage: list[bool], owner: str = ""
+    ) -> None:
         self.req_id = req_id
+        self.owner = owner
         self.keys = list(keys)
         self.host_ids = list(host_ids)
         self.from_storage = list(from_storage)

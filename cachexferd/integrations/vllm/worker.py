@@ -20,9 +20,10 @@ vLLM asserts that every transfer succeeds, so this worker always reports success
 what failed on the side: the connector hands failed loads' GPU blocks to vLLM's recompute
 path and failed offload keys to the manager, which forgets them in every tier.
 
-Every host block this instance writes is stamped with its owner token, and every read names
-it (protocol 1.2): a block cleared (CLEAR_HOST), rewritten by another client, or lost with
-a restarted daemon is refused by the daemon (HOST_BLOCK_CHANGED) instead of being served.
+Every host block this instance writes is stamped with the owner token of the manager's
+index that placed it, and every read names it (protocol 1.2): a block cleared (CLEAR_HOST),
+rewritten by another client or by a store an earlier index planned, or lost with a
+restarted daemon is refused by the daemon (HOST_BLOCK_CHANGED) instead of being served.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class _Job:
     device_ids: list[int]
     deadline: float  # monotonic: given up after this whatever happens
     soft: float  # monotonic: given up after this if the daemon has answered nothing since ``started``
+    owner: str = ""  # the owner token of the index that planned it (protocol 1.2)
     started: float = field(default_factory=time.monotonic)
     parts: int = 0  # daemon commands not yet completed
     failed: bool = False
@@ -89,7 +91,7 @@ class CachexferdWorker(OffloadingWorker):
         self._parts: dict[int, _Part] = {}  # daemon req_id -> part
         self._jobs: dict[int, _Job] = {}  # vLLM job_id -> job in flight
         self._finished: list[TransferResult] = []
-        self._writes: list[tuple[list[OffloadKey], list[int]]] = []  # write-through STOREs to send
+        self._writes: list[tuple[list[OffloadKey], list[int], str]] = []  # write-through STOREs to send
         self.invalid_block_ids: set[int] = set()  # GPU blocks whose load failed (for recompute)
         self.failed_keys: list[OffloadKey] = []  # offload keys that are not where the manager thinks
         self.stats = {"stores": 0, "loads": 0, "failed_stores": 0, "failed_loads": 0, "given_up": 0, "bytes": 0}
@@ -101,7 +103,7 @@ class CachexferdWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, HostStoreSpec)
         with self.conn.lock:
-            job = self._new_job(job_id, False, dst_spec.keys, src_spec.block_ids)
+            job = self._new_job(job_id, False, dst_spec.keys, src_spec.block_ids, dst_spec.owner)
             if len(job.device_ids) != len(dst_spec.host_ids):
                 return self._fail_now(job, f"store of {len(job.device_ids)} GPU blocks into {len(dst_spec.host_ids)}")
             client, why = self._client()
@@ -110,7 +112,7 @@ class CachexferdWorker(OffloadingWorker):
             if dst_spec.evicted_keys:
                 # Same DEALER, sent first: the daemon reads these host blocks before the swap-out
                 # below may overwrite them (write-after-read keeps receive order).
-                self._send_store(client, dst_spec.evicted_keys, dst_spec.evicted_host_ids)
+                self._send_store(client, dst_spec.evicted_keys, dst_spec.evicted_host_ids, job.owner)
             rid = client.submit(MsgType.SWAP_OUT, self._copy_fields(job, job.device_ids, dst_spec.host_ids),
                                 self._timeout(job))  # fmt: skip
             self._add_part(job, rid, _Part(job, MsgType.SWAP_OUT, job.device_ids, dst_spec.host_ids, job.keys,
@@ -120,7 +122,7 @@ class CachexferdWorker(OffloadingWorker):
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         assert isinstance(src_spec, HostLoadSpec)
         with self.conn.lock:
-            job = self._new_job(job_id, True, src_spec.keys, dst_spec.block_ids)
+            job = self._new_job(job_id, True, src_spec.keys, dst_spec.block_ids, src_spec.owner)
             if len(job.device_ids) != len(src_spec.host_ids):
                 return self._fail_now(job, f"load of {len(src_spec.host_ids)} blocks into {len(job.device_ids)}")
             if any(h < 0 for h in src_spec.host_ids):
@@ -145,10 +147,12 @@ class CachexferdWorker(OffloadingWorker):
             self.conn.nudge()  # its answer tells a slow daemon from a hung one (_expire)
             return True
 
-    def _new_job(self, job_id: int, is_load: bool, keys: list[OffloadKey], block_ids: Iterable[Any]) -> _Job:
+    def _new_job(
+        self, job_id: int, is_load: bool, keys: list[OffloadKey], block_ids: Iterable[Any], owner: str
+    ) -> _Job:
         now, stall = time.monotonic(), self.times.max_stall_s
         hard = now + (3 * stall if is_load else self.times.transfer_timeout_s)
-        job = _Job(job_id, is_load, list(keys), [int(b) for b in block_ids], hard, now + stall)
+        job = _Job(job_id, is_load, list(keys), [int(b) for b in block_ids], hard, now + stall, owner or self.owner)
         self._jobs[job_id] = job
         return job
 
@@ -168,7 +172,7 @@ class CachexferdWorker(OffloadingWorker):
         # we may have given up on it; a store, whose late copy harms nothing, when nobody
         # waits for it any more.
         not_after = time.time() + ((job.soft if job.is_load else job.deadline) - time.monotonic())
-        return {"device_ids": device_ids, "host_ids": host_ids, "owner": self.owner, "not_after": not_after}
+        return {"device_ids": device_ids, "host_ids": host_ids, "owner": job.owner, "not_after": not_after}
 
     @staticmethod
     def _timeout(job: _Job) -> float:
@@ -178,9 +182,9 @@ class CachexferdWorker(OffloadingWorker):
         job.parts += 1
         self._parts[rid] = part
 
-    def _send_store(self, client: EngineClient, keys: list[OffloadKey], host_ids: list[int]) -> None:
+    def _send_store(self, client: EngineClient, keys: list[OffloadKey], host_ids: list[int], owner: str) -> None:
         fields = {"keys": self.names.keys(keys, self.rank), "host_ids": host_ids, "device_ids": None,
-                  "owner": self.owner}  # fmt: skip
+                  "owner": owner}  # fmt: skip
         rid = client.submit(MsgType.STORE, fields)
         self._parts[rid] = _Part(None, MsgType.STORE, [], host_ids, keys)
 
@@ -251,7 +255,7 @@ class CachexferdWorker(OffloadingWorker):
         else:
             part.job.nbytes += int(done.result().get("bytes", 0))
             if part.then_store:
-                self._writes.append((part.keys, part.host_ids))
+                self._writes.append((part.keys, part.host_ids, part.job.owner))
         part.job.parts -= 1
         if part.job.parts == 0:
             self._finish(part.job)
@@ -262,11 +266,11 @@ class CachexferdWorker(OffloadingWorker):
         writes, self._writes = self._writes, []
         client = self.conn.client
         if client is None or not self.conn.usable:
-            for keys, _ in writes:
+            for keys, _, _ in writes:
                 self.failures.note("storage write", f"{len(keys)} blocks not written: daemon unavailable")
             return
-        for keys, host_ids in writes:
-            self._send_store(client, keys, host_ids)
+        for keys, host_ids, owner in writes:
+            self._send_store(client, keys, host_ids, owner)
 
     # Failures -------------------------------------------------------------------------------
 
