@@ -11,8 +11,11 @@ Copies are torch ``copy_`` calls on strided uint8 views, which release the GIL:
 - tensors evenly spaced in the segment form one *group*, viewed as ``[num_blocks, g, chunk]``,
   so one copy moves a block (or a run of consecutive blocks) of every tensor in the group;
 - consecutive ids are coalesced into runs (one copy per run and group);
-- single blocks are batched into ``torch._foreach_copy_`` to avoid per-call Python cost,
-  across all the commands of a batch (``swap_many``: one hand-off per batch, not per command);
+- single blocks are gathered across all the commands of a batch (``swap_many``: one hand-off
+  per batch, not per command) and moved per group in one step: for small blocks (up to
+  ``_GATHER_MAX_BYTES`` per group) one indexed numpy copy, which gathers the source rows and
+  scatters them in a single call; for larger ones one ``torch._foreach_copy_`` over per-block
+  views, which moves each byte once;
 - the runs are cut into shards that run on ``copy_threads`` workers per direction, and
   device->host and host->device have separate workers, so both directions run at once.
 torch's own intra-op threads are set to 1 in the daemon: the workers are the parallelism.
@@ -33,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import torch
 
 from ..host_cache import HostGeometry, HostPool
@@ -50,9 +54,12 @@ SHM_DIR = "/dev/shm"
 KIND = "shm"
 DEVICE_KEYS = frozenset({"kind", "name", "offsets", "fd"})
 _SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
-_FOREACH_BATCH = 512  # single-block copies per _foreach_copy_ call (bounds cancel latency)
+_FOREACH_BATCH = 512  # single-block copies per gathered copy (bounds cancel latency)
 _MIN_SHARD_BYTES = 2 << 20  # below this, handing work to another thread costs more than it saves
 _INLINE_BYTES = 1 << 20  # a batch this small is copied on the loop thread (tens of microseconds)
+# Up to this many bytes per block and group, an indexed numpy copy (gather, then scatter:
+# each byte moves twice) beats per-block torch views (a few microseconds of set-up each).
+_GATHER_MAX_BYTES = 32 << 10
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,35 @@ class TensorGroup:
     count: int
     device: torch.Tensor  # [num_blocks, count, chunk] uint8 view into the shared segment
     host: torch.Tensor  # [host_blocks, count, chunk] uint8 view into the host pool
+    # The same memory as numpy arrays, for indexed copies of single blocks (None: blocks
+    # too large for the gathered copy, see _GATHER_MAX_BYTES).
+    device_rows: np.ndarray[Any, Any] | None = None
+    host_rows: np.ndarray[Any, Any] | None = None
+
+
+# One command's share of a copy: its index in the batch, its single blocks (device ids,
+# host ids) and its runs of two or more consecutive blocks.
+CopyItem = tuple[int, list[int], list[int], list[Run]]
+
+
+def plan_item(index: int, device_ids: Sequence[int], host_ids: Sequence[int]) -> CopyItem:
+    """Coalesces a command's ids; a single-block command (the common case) makes no Run."""
+    if len(device_ids) == 1:
+        return index, [device_ids[0]], [host_ids[0]], []
+    return split_runs(index, coalesce(device_ids, host_ids))
+
+
+def split_runs(index: int, runs: Sequence[Run]) -> CopyItem:
+    single_device: list[int] = []
+    single_host: list[int] = []
+    longer: list[Run] = []
+    for run in runs:
+        if run.length == 1:
+            single_device.append(run.device)
+            single_host.append(run.host)
+        else:
+            longer.append(run)
+    return index, single_device, single_host, longer
 
 
 @dataclass(frozen=True)
@@ -274,7 +310,11 @@ class CpuDeviceCache(DeviceCache):
         groups = []
         for first, count, stride in even_groups(offsets):
             device = torch.as_strided(base, (nb, count, chunk), (chunk, stride or 1, 1), offsets[first])
-            groups.append(TensorGroup(first, count, device, host[:, first : first + count]))
+            group_host = host[:, first : first + count]
+            if count * chunk <= _GATHER_MAX_BYTES:
+                groups.append(TensorGroup(first, count, device, group_host, device.numpy(), group_host.numpy()))
+            else:
+                groups.append(TensorGroup(first, count, device, group_host))
         return groups
 
     @property
@@ -295,7 +335,7 @@ class CpuDeviceCache(DeviceCache):
         parts = max(1, min(self._backend.copy_threads, blocks * self.layout.host_block_bytes // _MIN_SHARD_BYTES))
         jobs = [(i, coalesce(r.device_ids, r.host_ids)) for i, r in enumerate(requests)]
         cancels = [r.cancel for r in requests]
-        shards = shard_tagged(jobs, parts)
+        shards = [[split_runs(i, runs) for i, runs in shard] for shard in shard_tagged(jobs, parts)]
         futures = [asyncio.wrap_future(pool.submit(self._copy_shard, direction, s, cancels)) for s in shards]
         results: list[BaseException | None] = [None] * len(requests)
         for outcome in await asyncio.gather(*futures, return_exceptions=True):
@@ -306,39 +346,44 @@ class CpuDeviceCache(DeviceCache):
         return results
 
     def swap_now(self, direction: Direction, requests: Sequence[SwapRequest]) -> list[BaseException | None]:
-        items = [(i, coalesce(r.device_ids, r.host_ids)) for i, r in enumerate(requests)]
+        items = [plan_item(i, r.device_ids, r.host_ids) for i, r in enumerate(requests)]
         failed = self._copy_shard(direction, items, [r.cancel for r in requests])
+        if not failed:
+            return [None] * len(requests)
         return [failed.get(i) for i in range(len(requests))]
 
     def _copy_shard(
-        self, direction: Direction, items: list[tuple[int, list[Run]]], cancels: list[CancelToken]
+        self, direction: Direction, items: list[CopyItem], cancels: list[CancelToken]
     ) -> dict[int, ProtocolError]:
-        """Runs on a worker thread; torch releases the GIL inside each copy. Returns the
-        commands that were cancelled, with fresh errors: a raised error's traceback would
-        hold this frame, whose views keep the segment mapped after detach until the GC ran."""
+        """Runs on a worker thread (or, for a small batch, the loop thread); torch and numpy
+        release the GIL inside each copy. Returns the commands that were cancelled, with
+        fresh errors: a raised error's traceback would hold this frame, whose views keep the
+        segment mapped after detach until the GC ran."""
         failed: dict[int, ProtocolError] = {}
         to_host = direction is Direction.D2H
         for group in self.groups:
             src_view, dst_view = (group.device, group.host) if to_host else (group.host, group.device)
-            singles_src: list[torch.Tensor] = []
-            singles_dst: list[torch.Tensor] = []
-            for index, runs in items:
+            singles_src: list[int] = []
+            singles_dst: list[int] = []
+            for index, single_device, single_host, runs in items:
                 cancel = cancels[index]
                 if cancel.cancelled:
                     failed.setdefault(index, ProtocolError(cancel.code, cancel.detail))
                     continue
                 for run in runs:
                     s, d = (run.device, run.host) if to_host else (run.host, run.device)
-                    if run.length > 1:
-                        dst_view[d : d + run.length].copy_(src_view[s : s + run.length])
-                        continue
-                    singles_src.append(src_view[s])
-                    singles_dst.append(dst_view[d])
-                    if len(singles_src) == _FOREACH_BATCH:
-                        torch._foreach_copy_(singles_dst, singles_src)
-                        singles_src, singles_dst = [], []
+                    dst_view[d : d + run.length].copy_(src_view[s : s + run.length])
+                if to_host:
+                    singles_src += single_device
+                    singles_dst += single_host
+                else:
+                    singles_src += single_host
+                    singles_dst += single_device
+                if len(singles_src) >= _FOREACH_BATCH:
+                    _copy_singles(group, to_host, singles_src, singles_dst)
+                    singles_src, singles_dst = [], []
             if singles_src:
-                torch._foreach_copy_(singles_dst, singles_src)
+                _copy_singles(group, to_host, singles_src, singles_dst)
         return failed
 
     def close(self) -> None:
@@ -385,6 +430,21 @@ class CpuBackend(Backend):
     def close(self) -> None:
         for pool in self.pools.values():
             pool.shutdown(wait=True)
+
+
+def _copy_singles(group: TensorGroup, to_host: bool, src_ids: list[int], dst_ids: list[int]) -> None:
+    """Copies block ``src_ids[i]`` to block ``dst_ids[i]`` of every tensor in the group, in
+    one call. Destinations never repeat within a batch (a command's destination ids are
+    unique, and two commands writing one block are never ready together)."""
+    if group.device_rows is not None and group.host_rows is not None:
+        src_rows, dst_rows = (group.device_rows, group.host_rows) if to_host else (group.host_rows, group.device_rows)
+        if len(src_ids) == 1:
+            dst_rows[dst_ids[0]] = src_rows[src_ids[0]]
+        else:
+            dst_rows[dst_ids] = src_rows[src_ids]
+        return
+    src_view, dst_view = (group.device, group.host) if to_host else (group.host, group.device)
+    torch._foreach_copy_([dst_view[d] for d in dst_ids], [src_view[s] for s in src_ids])
 
 
 def create(config: Config) -> CpuBackend:
