@@ -143,7 +143,7 @@ class Dispatcher:
         session = self.sessions.get(req.identity)
         if session is not None and session.inflight:
             session.inflight -= 1
-        self.outcomes.send(req, code, detail, result)
+        self.outcomes.send_to(session, req, code, detail, result)
 
     def _run_sync(self, req: Request, cmd: Command) -> None:
         self._register_accepted()  # what arrived before this command is in flight for it

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from .storage_tier import StorageTier
 
 Result = dict[str, Any] | Awaitable[dict[str, Any]]
+_new_tuple: Any = tuple.__new__
 SyncHandler = Callable[[bytes, Any], Result]
 JobHandler = Callable[[Any], Job]
 
@@ -159,7 +160,8 @@ class Handlers:
         not_after: float | None,
     ) -> Job:  # fmt: skip
         self.pausing.require_running()
-        validate.require_in_time(not_after)
+        if not_after is not None:
+            validate.require_in_time(not_after)
         cache = self.device.require()
         geometry = self.host.require_geometry()
         to_host = direction is Direction.D2H
@@ -169,7 +171,10 @@ class Handlers:
             self.host.stamp(host_ids, owner)
         else:
             self.host.check_current(host_ids, owner)
-        return Job(swap_access(device_ids, host_ids, to_host), copy=Copy(cache, direction, device_ids, host_ids))
+        # Positional tuples: a NamedTuple's keyword constructor costs more than the rest of this.
+        copy = _new_tuple(Copy, (cache, direction, device_ids, host_ids))
+        job: Job = _new_tuple(Job, (swap_access(device_ids, host_ids, to_host), None, copy))
+        return job
 
     def handle_clear_host(self, cmd: ClearHost) -> Job:
         pool = self.host.pool

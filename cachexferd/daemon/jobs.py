@@ -76,6 +76,10 @@ class Jobs:
         self._held: set[asyncio.Task[None]] = set()  # not awaited at shutdown: may never end
         self._moved = {d: metrics.transfer_bytes.labels(d.value) for d in Direction}
 
+    def on_complete(self, complete: Complete) -> None:
+        """Replaces the completion callback (once the daemon has built its receiver)."""
+        self._complete_cb = complete
+
     def submit(self, requests: list[Request]) -> None:
         """Registers accepted commands (each with its job), in arrival order, and schedules
         the start of those that wait for nothing."""
@@ -101,19 +105,23 @@ class Jobs:
         self._scheduled = False
         ready, self._ready = self._ready, []
         batches: dict[tuple[int, Direction], list[Entry]] = {}
+        start = self.ordering.start
         for entry in ready:
-            job: Job = entry.payload.job
+            copy: Copy | None = entry.payload.job.copy
             if entry.cancel.cancelled:  # cancelled while it waited: it never starts
                 self._complete(entry, entry.cancel.code, entry.cancel.detail, {})
                 continue
-            self.ordering.start(entry)
-            if job.copy is None:
+            start(entry)
+            if copy is None:
                 self._spawn(self._run_work(entry))
                 continue
-            batch = batches.setdefault((id(job.copy.cache), job.copy.direction), [])
+            key = (id(copy.cache), copy.direction)
+            batch = batches.get(key)
+            if batch is None:
+                batches[key] = batch = []
             batch.append(entry)
             if len(batch) == MAX_COPY_BATCH:
-                self._spawn(self._run_copies(batches.pop((id(job.copy.cache), job.copy.direction))))
+                self._spawn(self._run_copies(batches.pop(key)))
         for batch in batches.values():
             self._start_copies(batch)
         self._publish()
@@ -149,16 +157,17 @@ class Jobs:
         block_bytes = first.cache.layout.host_block_bytes
         moved = 0
         ready: list[Entry] = []
-        complete, done = self.ordering.complete, self._complete_cb
+        complete, done, ok = self.ordering.complete, self._complete_cb, ErrorCode.OK
         for entry, error in zip(entries, errors):
             req: Request = entry.payload
             if error is None:
                 blocks = len(req.job.copy.device_ids)  # type: ignore[union-attr]
-                moved += blocks * block_bytes
-                ready += complete(entry, ErrorCode.OK)
-                result = {"blocks": blocks, "bytes": blocks * block_bytes, "started_at": started,
-                          "finished_at": finished}  # fmt: skip
-                done(req, ErrorCode.OK, "", result)
+                size = blocks * block_bytes
+                moved += size
+                released = complete(entry, ok)
+                if released:
+                    ready += released
+                done(req, ok, "", {"blocks": blocks, "bytes": size, "started_at": started, "finished_at": finished})
             else:
                 code, detail = self._describe(entry, error)
                 ready += complete(entry, code)
@@ -244,5 +253,12 @@ class Jobs:
         self.metrics.running.set(self.ordering.running)
 
 
+_new_tuple: Any = tuple.__new__
+
+
 def _requests(entries: list[Entry]) -> list[SwapRequest]:
-    return [SwapRequest(e.payload.job.copy.device_ids, e.payload.job.copy.host_ids, e.cancel) for e in entries]
+    requests = []
+    for entry in entries:
+        copy = entry.payload.job.copy
+        requests.append(_new_tuple(SwapRequest, (copy.device_ids, copy.host_ids, entry.cancel)))
+    return requests

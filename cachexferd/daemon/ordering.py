@@ -83,6 +83,9 @@ class Phase(IntEnum):
     RELEASED = 3
 
 
+_RUNNING, _FINISHED, _RELEASED = Phase.RUNNING, Phase.FINISHED, Phase.RELEASED
+
+
 class Entry:
     """One registered command. ``payload`` is the caller's (what to run when ready)."""
 
@@ -232,10 +235,17 @@ class BlockOrdering:
     def complete(self, entry: Entry, code: int) -> list[Entry]:
         """``finish`` and ``release`` at once (the common end of a job); returns the
         dependents that became ready, in registration order."""
-        if entry.phase is Phase.RELEASED:
+        phase = entry.phase
+        if phase is _RELEASED:
             return []
-        self.finish(entry, code)
-        entry.phase = Phase.RELEASED
+        if phase is _RUNNING:  # ``finish``, inlined: this runs once per command
+            self.running -= 1
+            entry.code = code
+            if entry._waiters is not None:
+                entry._resolve_waiters()
+        elif phase is not _FINISHED:
+            self.finish(entry, code)
+        entry.phase = _RELEASED
         device_read, device_write, host_read, host_write, all_host, keys_read, keys_write = entry.access
         if device_read or device_write:
             self._device.drop(entry, device_read, device_write)

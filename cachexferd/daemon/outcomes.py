@@ -24,7 +24,7 @@ from ..protocol import ASYNC_TYPES, ErrorCode, Limits, MsgType, encode_event_bat
 if TYPE_CHECKING:
     from ..metrics import DaemonMetrics
     from .request import Request
-    from .sessions import EventSinks, Sessions
+    from .sessions import EventSinks, Session, Sessions
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,13 @@ class Outcomes:
 
     def send(self, req: Request, code: int, detail: str, result: dict[str, Any], *, as_reply: bool = False) -> None:
         """Sends one command's outcome (exactly once per command: the caller's duty)."""
+        self.send_to(self.sessions.get(req.identity), req, code, detail, result, as_reply)
+
+    def send_to(
+        self, session: Session | None, req: Request, code: int, detail: str, result: dict[str, Any],
+        as_reply: bool = False,
+    ) -> None:  # fmt: skip
+        """``send``, for a caller that has just looked up the sender's session."""
         op, req_id = req.op, req.req_id
         arrivals = self._decided.get((op, code))
         if arrivals is None:
@@ -60,7 +67,6 @@ class Outcomes:
             arrivals.append(req.received)
         if code and log.isEnabledFor(logging.DEBUG):  # the names cost more than the check
             log.debug("%s req_id=%d -> %s: %s", op_name(op), req_id, code_name(code), detail)
-        session = self.sessions.get(req.identity)
         if as_reply or op not in ASYNC_TYPES or not req_id or session is None or session.events is None:
             self._reply(req.identity, self._encode(MsgType.REPLY, req_id, op, code, detail, result))
         elif session.batch_events:

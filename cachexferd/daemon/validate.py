@@ -55,6 +55,13 @@ def unique_keys(keys: Sequence[str]) -> None:
 def swap_pairs(device_ids: Sequence[int], host_ids: Sequence[int], device_blocks: int, host_blocks: int,
                dest: str) -> None:  # fmt: skip
     """A swap's lists: equal lengths, ids in range, destination ids unique (dest: device or host)."""
+    if (
+        len(device_ids) == 1
+        and len(host_ids) == 1
+        and 0 <= device_ids[0] < device_blocks
+        and 0 <= host_ids[0] < host_blocks
+    ):
+        return  # the common single-block command: valid, nothing more to check
     same_length(device_ids, host_ids, ("device_ids", "host_ids"))
     ids_in_range(device_ids, device_blocks, "device_ids")
     ids_in_range(host_ids, host_blocks, "host_ids")
