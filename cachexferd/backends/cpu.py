@@ -60,6 +60,7 @@ _INLINE_BYTES = 1 << 20  # a batch this small is copied on the loop thread (tens
 # Up to this many bytes per block and group, an indexed numpy copy (gather, then scatter:
 # each byte moves twice) beats per-block torch views (a few microseconds of set-up each).
 _GATHER_MAX_BYTES = 32 << 10
+_GATHER_MIN_BLOCKS = 16  # below this, one row assignment per block (an indexed copy costs ~10 us to set up)
 
 
 @dataclass(frozen=True)
@@ -438,8 +439,9 @@ def _copy_singles(group: TensorGroup, to_host: bool, src_ids: list[int], dst_ids
     unique, and two commands writing one block are never ready together)."""
     if group.device_rows is not None and group.host_rows is not None:
         src_rows, dst_rows = (group.device_rows, group.host_rows) if to_host else (group.host_rows, group.device_rows)
-        if len(src_ids) == 1:
-            dst_rows[dst_ids[0]] = src_rows[src_ids[0]]
+        if len(src_ids) < _GATHER_MIN_BLOCKS:
+            for s, d in zip(src_ids, dst_ids):
+                dst_rows[d] = src_rows[s]
         else:
             dst_rows[dst_ids] = src_rows[src_ids]
         return

@@ -129,13 +129,14 @@ class Jobs:
     def _start_copies(self, entries: list[Entry]) -> None:
         """Small batches are copied right here (cheaper than a hand-off); others off the loop."""
         first: Copy = entries[0].payload.job.copy
-        blocks = sum(len(e.payload.job.copy.device_ids) for e in entries)
+        requests = _requests(entries)
+        blocks = sum([len(r.device_ids) for r in requests])
         if blocks * first.cache.layout.host_block_bytes > first.cache.inline_bytes:
             self._spawn(self._run_copies(entries))
             return
         started = time.monotonic()
         try:
-            errors = first.cache.swap_now(first.direction, _requests(entries))
+            errors = first.cache.swap_now(first.direction, requests)
         except Exception as exc:  # a bug in the backend: every command of the batch fails
             errors = [exc] * len(entries)
         self._copies_done(entries, errors, started)

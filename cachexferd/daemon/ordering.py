@@ -134,7 +134,7 @@ class _Board:
     def claim(self, entry: Entry, reads: frozenset[Any], writes: frozenset[Any], deps: set[Entry]) -> int:
         """Records the entry's accesses, adds what it must wait for; returns ids examined."""
         for i in reads:
-            if i in writes:
+            if writes and i in writes:
                 continue  # a write covers it
             writer = self.writer.get(i)
             if writer is not None:
@@ -183,20 +183,23 @@ class BlockOrdering:
         entry = Entry(access, payload)
         deps: set[Entry] = set()
         device_read, device_write, host_read, host_write, all_host, keys_read, keys_write = access
+        examined = 0
         if device_read or device_write:
-            self.examined += self._device.claim(entry, device_read, device_write, deps)
+            examined += self._device.claim(entry, device_read, device_write, deps)
             self._device_entries[entry] = None
         if host_read or host_write or all_host:
-            self.examined += self._host.claim(entry, host_read, host_write, deps)
-            self._claim_all_host(entry, deps)
+            examined += self._host.claim(entry, host_read, host_write, deps)
+            if all_host or self._host_barrier is not None:
+                self._claim_all_host(entry, deps)
             self._host_entries[entry] = None
         if keys_read or keys_write:
-            self.examined += self._keys.claim(entry, keys_read, keys_write, deps)
+            examined += self._keys.claim(entry, keys_read, keys_write, deps)
         if deps:
             for dep in deps:
                 dep.dependents.append(entry)
             entry.unmet = len(deps)
-            self.examined += len(deps)
+            examined += len(deps)
+        self.examined += examined
         self._entries[entry] = None
         self.waiting += 1
         return entry

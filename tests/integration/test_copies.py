@@ -137,3 +137,26 @@ def test_clear_host_is_ordered_after_readers(
     assert_moved(shm_cache, [10, 11], before, [1, 2])
     for tensor in shm_cache.tensors:
         assert int(tensor.view(torch.uint8)[12].count_nonzero()) == 0
+
+
+def test_one_batch_many_commands_both_directions(
+    inproc: InProcessDaemon, engine: EngineClient, shm_cache: ShmKVCache
+) -> None:
+    """One BATCH envelope of single-block swap-outs to scattered host blocks, swap-ins that
+    read them back (each waits for its writer in the same envelope) and a multi-block pair:
+    the copies of a batch are gathered, the bytes must still be exact and every other block
+    unchanged."""
+    fill_random(shm_cache, seed=12)
+    before = snapshot(shm_cache)
+    rng = random.Random(12)
+    src, dst = rng.sample(range(0, 20), 14), rng.sample(range(24, 44), 14)
+    host = rng.sample(range(0, 400), 14)
+    with RunnerClient(inproc.endpoint) as runner, runner.attached(shm_cache):
+        with engine.batch():
+            outs = [engine.swap_out([s], [h]) for s, h in zip(src, host)]
+            outs.append(engine.swap_out([20, 21, 22, 5], [401, 402, 403, 410]))
+            backs = [engine.swap_in([d], [h]) for d, h in zip(dst, host)]
+            backs.append(engine.swap_in([44, 45, 46, 47], [401, 402, 403, 410]))
+        _ok(engine, *outs, *backs)
+    assert_moved(shm_cache, [*dst, 44, 45, 46, 47], before, [*src, 20, 21, 22, 5])
+    assert_untouched(shm_cache, before, [*dst, 44, 45, 46, 47])
