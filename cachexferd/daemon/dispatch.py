@@ -137,6 +137,17 @@ class Dispatcher:
         if accepted:
             self.jobs.submit(accepted)
 
+    def jobs_done(self, decided: list[tuple[Request, int, str, dict[str, Any]]]) -> None:
+        """``job_done`` for the outcomes of a batch of copies, in order."""
+        forget, session_of, send_to = self._inflight.discard, self.sessions.get, self.outcomes.send_to
+        for req, code, detail, result in decided:
+            identity = req.identity
+            forget((identity, req.req_id))
+            session = session_of(identity)
+            if session is not None and session.inflight:
+                session.inflight -= 1
+            send_to(session, req, code, detail, result)
+
     def job_done(self, req: Request, code: int, detail: str, result: dict[str, Any]) -> None:
         """The completion callback of Jobs: forget the req_id, send the outcome."""
         self._inflight.discard((req.identity, req.req_id))

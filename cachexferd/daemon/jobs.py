@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 Work = Callable[[CancelToken], Awaitable[dict[str, Any]]]
 # (request, code, detail, result): sends the one outcome.
 Complete = Callable[[Request, int, str, dict[str, Any]], None]
+Decided = tuple[Request, int, str, dict[str, Any]]
+CompleteMany = Callable[[list[Decided]], None]  # several outcomes, in order
 MAX_COPY_BATCH = 256  # commands per hand-off: bounds how long the first of a burst waits for the last
 
 
@@ -70,15 +72,18 @@ class Jobs:
         self.ordering = ordering
         self.metrics = metrics
         self._complete_cb = complete  # the entries' payloads are Requests; this sends their outcomes
+        self._complete_many: CompleteMany = self._each
         self._ready: list[Entry] = []
         self._scheduled = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._held: set[asyncio.Task[None]] = set()  # not awaited at shutdown: may never end
         self._moved = {d: metrics.transfer_bytes.labels(d.value) for d in Direction}
 
-    def on_complete(self, complete: Complete) -> None:
-        """Replaces the completion callback (once the daemon has built its receiver)."""
+    def on_complete(self, complete: Complete, complete_many: CompleteMany | None = None) -> None:
+        """Replaces the completion callbacks (once the daemon has built their receiver);
+        ``complete_many`` takes the outcomes of a batch of copies at once."""
         self._complete_cb = complete
+        self._complete_many = complete_many or self._each
 
     def submit(self, requests: list[Request]) -> None:
         """Registers accepted commands (each with its job), in arrival order, and schedules
@@ -158,7 +163,8 @@ class Jobs:
         block_bytes = first.cache.layout.host_block_bytes
         moved = 0
         ready: list[Entry] = []
-        complete, done, ok = self.ordering.complete, self._complete_cb, ErrorCode.OK
+        decided: list[Decided] = []
+        complete, ok = self.ordering.complete, ErrorCode.OK
         for entry, error in zip(entries, errors):
             req: Request = entry.payload
             if error is None:
@@ -168,14 +174,21 @@ class Jobs:
                 released = complete(entry, ok)
                 if released:
                     ready += released
-                done(req, ok, "", {"blocks": blocks, "bytes": size, "started_at": started, "finished_at": finished})
+                decided.append((req, ok, "", {"blocks": blocks, "bytes": size, "started_at": started,
+                                              "finished_at": finished}))  # fmt: skip
             else:
                 code, detail = self._describe(entry, error)
                 ready += complete(entry, code)
-                done(req, code, detail, {})
+                decided.append((req, code, detail, {}))
+        self._complete_many(decided)  # after the releases: nothing reads them before the loop runs again
         if ready:
             self._make_ready(ready)
         self._moved[first.direction].inc(moved)
+
+    def _each(self, decided: list[Decided]) -> None:
+        done = self._complete_cb
+        for req, code, detail, result in decided:
+            done(req, code, detail, result)
 
     async def _run_work(self, entry: Entry) -> None:
         work = entry.payload.job.work

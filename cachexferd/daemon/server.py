@@ -142,7 +142,7 @@ class Daemon:
         self.dispatcher = Dispatcher(
             handlers, self.jobs, self.outcomes, self.sessions, config.daemon.max_inflight, self._admit, self.spawn
         )
-        self.jobs.on_complete(self.dispatcher.job_done)  # straight there: one call less per command
+        self.jobs.on_complete(self.dispatcher.job_done, self.dispatcher.jobs_done)  # straight there
         self.router: zmq.Socket[Any] | None = None
         self._stop_requested = asyncio.Event()
         self._lock_file: IO[str] | None = None
