@@ -31,6 +31,7 @@ from typing import Any
 import zmq
 
 from ...client.link import ClientError, Link
+from ...procs import proc_stat
 from ...protocol import MsgType, Ping, Status
 
 
@@ -165,35 +166,23 @@ def vllm_lineage(max_depth: int = 6) -> list[tuple[int, int]]:
     lineage: list[tuple[int, int]] = []
     pid = os.getppid()
     for _ in range(max_depth):
-        info = _stat_fields(pid)
+        info = proc_stat(pid)
         if info is None or pid <= 1:
             break
-        lineage.append((pid, info[1]))
+        lineage.append((pid, info.start_ticks))
         if not _spawned(pid):
             break  # vLLM's main process: its own parent (a shell, systemd) does not matter
-        pid = info[0]
+        pid = info.ppid
     return lineage
 
 
 def orphaned(lineage: list[tuple[int, int]]) -> int | None:
     """The pid of the first process of ``lineage`` that is gone (or was replaced), else None."""
     for pid, started in lineage:
-        info = _stat_fields(pid)
-        if info is None or info[1] != started:
+        info = proc_stat(pid)
+        if info is None or info.start_ticks != started:
             return pid
     return None
-
-
-def _stat_fields(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time in clock ticks) of a live process; None when gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[1]), int(fields[19])
 
 
 def _spawned(pid: int) -> bool:
