@@ -7,12 +7,13 @@ from typing import NamedTuple
 
 
 class ProcStat(NamedTuple):
+    state: str  # one letter: R running, S sleeping, D disk wait, T/t stopped, ...
     ppid: int
     start_ticks: int  # start time after boot in clock ticks: a pid reused later differs here
 
 
 def proc_stat(pid: int) -> ProcStat | None:
-    """Parent pid and start time of a running process; None when it is gone, a zombie, or
+    """State, parent pid and start time of a process; None when it is gone, a zombie, or
     its stat cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -22,4 +23,4 @@ def proc_stat(pid: int) -> ProcStat | None:
         return None
     if fields[0] in (b"Z", b"X"):
         return None
-    return ProcStat(int(fields[1]), int(fields[19]))
+    return ProcStat(fields[0].decode(), int(fields[1]), int(fields[19]))

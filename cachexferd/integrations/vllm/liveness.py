@@ -144,16 +144,10 @@ class Probe:
 
 def process_state(pid: int) -> str:
     """'gone', 'stopped' or 'alive', from /proc/<pid>/stat (same pid namespace)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    stat = proc_stat(pid)
+    if stat is None:
         return "gone"
-    if state in (b"Z", b"X"):
-        return "gone"
-    if state in (b"T", b"t"):
-        return "stopped"
-    return "alive"
+    return "stopped" if stat.state in ("T", "t") else "alive"
 
 
 def accepts_connections(path: str) -> bool:
