@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ..procs import proc_stat
 from ..security import Peer
 
 
@@ -33,9 +34,8 @@ class RunnerProcess:
     def note(cls, pid: int | None, peer: Peer | None) -> RunnerProcess | None:
         if pid is None:
             return None
-        stat = _stat(pid)
         uid = peer.uid if peer is not None and peer.pid == pid else _uid(pid)
-        return cls(pid, stat, uid)
+        return cls(pid, _ppid(pid), uid)
 
 
 def supersede_refusal(attached: RunnerProcess | None, asker: Peer | None) -> str | None:
@@ -48,7 +48,7 @@ def supersede_refusal(attached: RunnerProcess | None, asker: Peer | None) -> str
         return f"the attached runner (pid {attached.pid}) runs as uid {attached.uid}, the asker as uid {asker.uid}"
     if not _alive(attached.pid):
         return None
-    ppid = _stat(attached.pid)
+    ppid = _ppid(attached.pid)
     if attached.ppid is not None and ppid is not None and ppid != attached.ppid:
         return None  # its parent died: orphaned
     return f"the attached runner (pid {attached.pid}) is alive and its parent (pid {ppid}) too"
@@ -61,19 +61,13 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return _stat(pid) is not None  # a zombie has exited
+    return _ppid(pid) is not None  # a zombie has exited
 
 
-def _stat(pid: int) -> int | None:
+def _ppid(pid: int) -> int | None:
     """The parent pid of a running process (None: gone, a zombie, or unreadable)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[1])
+    stat = proc_stat(pid)
+    return None if stat is None else stat.ppid
 
 
 def _uid(pid: int) -> int | None:

@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "cachexferd"
 LAYERS: list[tuple[str, int]] = [
     ("cachexferd.protocol", 0),
     ("cachexferd.units", 0),
+    ("cachexferd.procs", 0),
     ("cachexferd.zmqio", 0),
     ("cachexferd.config", 0),
     ("cachexferd.security", 0),

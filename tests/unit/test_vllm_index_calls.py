@@ -64,3 +64,19 @@ def test_a_load_with_a_block_gone_protects_the_leading_blocks_only() -> None:
     assert placed.digests == a and placed.host_ids[0] >= 0 and placed.host_ids[1:] == [-1, -1]
     index.complete_load(a[:1])
     index.check()
+
+
+def test_a_store_names_the_block_its_chain_continues_from() -> None:
+    index = OffloadIndex(16, debug=True)
+    a, b = blocks(1, 4), blocks(2, 2)
+    chains = Chains()
+    first = prepare_stores(index, a[:2], chains=chains)
+    assert first is not None and first.parent is None, "a request's first store starts its chain"
+    index.complete_store(first.digests)
+    second = prepare_stores(index, a[2:], chains=chains)
+    assert second is not None and second.parent == a[1], "storage must learn what the store extends"
+    index.complete_store(second.digests)
+    both = prepare_stores(index, [b[0], b[1]], [0, 1], Chains({0: a[3], 1: a[3]}))
+    assert both is not None and both.parent is None, "blocks of two chains in one store name no parent"
+    index.complete_store(both.digests)
+    index.check()

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from cachexferd.client.runner import ShmKVCache
+from cachexferd.integrations.vllm import liveness
 from cachexferd.integrations.vllm.connection import DaemonConnection
 from cachexferd.integrations.vllm.keys import VllmKeyNames, layout_name
 from cachexferd.integrations.vllm.liveness import Verdict
@@ -131,6 +132,34 @@ def test_hung_daemon_keeps_its_link_and_a_killed_one_is_replaced(short_tmp: Path
         daemon = start_daemon(short_tmp, "d", short_tmp / "storage")  # same endpoint, new boot
         wait_until(lambda: conn.up and attached_runner(daemon) == os.getpid(), 15, "re-attached by the keeper")
         assert conn.boot_ids[0] != first_boot
+    finally:
+        conn.close()
+        daemon.stop()
+
+
+def test_a_daemon_whose_pid_is_hidden_is_lost_when_its_socket_is_gone(
+    short_tmp: Path, cache: ShmKVCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon in another pid namespace (a sidecar container sharing the ipc directory):
+    its pid means nothing here. Stopped, it still accepts connections (unresponsive, kept);
+    killed, its socket refuses them (lost at once, not after ``lost_after_s``)."""
+    monkeypatch.setattr(liveness, "_is_daemon", lambda pid: False)
+    daemon = start_daemon(short_tmp, "d", short_tmp / "storage")
+    conn = connection(daemon.endpoint, cache)
+    try:
+        assert conn.start()
+        daemon.signal(signal.SIGSTOP)
+        try:
+            tick_until(conn, lambda: conn.verdict is Verdict.UNRESPONSIVE, 5)
+            hung_for = time.monotonic() + 1.0
+            assert not tick_until(conn, lambda: time.monotonic() > hung_for, 5), "a stopped daemon was lost"
+        finally:
+            daemon.signal(signal.SIGCONT)
+        assert not tick_until(conn, lambda: conn.usable, 5)
+        daemon.kill()
+        killed = time.monotonic()
+        reasons = tick_until(conn, lambda: not conn.up, 5)
+        assert time.monotonic() - killed < 1.5, reasons
     finally:
         conn.close()
         daemon.stop()

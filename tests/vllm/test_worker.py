@@ -4,6 +4,7 @@ needed; its offloading types are (the worker speaks them)."""
 
 from __future__ import annotations
 
+import functools
 import signal
 import time
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup-vllm.sh makes a venv with it)")
 
+from cachexferd.client import EngineClient
 from cachexferd.client.runner import ShmKVCache
 from cachexferd.integrations.vllm import liveness
 from cachexferd.integrations.vllm.connection import DaemonConnection
@@ -21,9 +23,10 @@ from cachexferd.integrations.vllm.transfer_specs import HostLoadSpec, HostStoreS
 from cachexferd.integrations.vllm.vllm_api import GPULoadStoreSpec
 from cachexferd.integrations.vllm.worker import CachexferdWorker, WorkerTimes
 from cachexferd.launch import DaemonProcess
+from cachexferd.storage.objects import HEADER_BYTES
 
 from ..helpers import SMALL
-from .rig import metric, start_daemon, wait_for
+from .rig import metric, ops, start_daemon, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
 STALL = 0.4
@@ -95,6 +98,42 @@ def test_a_hang_it_cannot_see_is_given_up_and_the_late_copy_refused(
         worker.get_finished()
         time.sleep(0.1)
     assert metric(daemon, "cachexferd_commands_total", op="store", outcome="ok") == 0
+
+
+def stored(worker: CachexferdWorker, daemon: DaemonProcess, count: int) -> bool:
+    worker.get_finished()  # engine steps: they send the write-through STOREs and take outcomes
+    return ops(daemon, "store") == count
+
+
+def test_write_through_names_the_chain_it_extends_so_storage_keeps_the_head(cx_root: Path) -> None:
+    """Storage room for two objects: a request's two stores (the second naming the first
+    block as its parent) and then another request's store. Eviction must take the chain's
+    tail, not its head: a head kept is a prefix vLLM can load, a tail alone is not."""
+    cache = ShmKVCache(SMALL)
+    # 2.5 objects: the third store evicts one object (down to 90% of the capacity), not two.
+    room = 5 * (HEADER_BYTES + SMALL.host_block_bytes) // 2
+    daemon = start_daemon(cx_root, "evict", cx_root / "evict-storage", **{"storage.capacity": room})
+    conn = DaemonConnection([daemon.endpoint], name="t", transfer_timeout_s=5, connect_timeout_s=5,
+                            retry_interval_s=0.2, lost_after_s=30, slow_after_s=30, cache=cache)  # fmt: skip
+    worker = CachexferdWorker(conn, NAMES, 0, WorkerTimes(5.0, 5.0), owner="test-owner")
+    try:
+        assert conn.start()
+        head = NAMES.block_hash(key(1)).digest
+        for job, parent in ((1, None), (2, head), (3, None)):
+            spec = HostStoreSpec([key(job)], [job], write_through=True, parent=parent)
+            assert worker.submit_store(job, gpu([job]), spec)
+            finished(worker, job, 10)
+            wait_for(functools.partial(stored, worker, daemon, job), 20, f"STORE {job}")
+        with EngineClient([daemon.endpoint]) as client:
+            client.connect(timeout_s=10)
+            reqs = [client.lookup([NAMES.key(key(k), 0)]) for k in (1, 2, 3)]
+            done = client.wait(reqs, timeout_s=30)
+            found = [done[r].result()["prefix"] == 1 for r in reqs]
+        assert found == [True, False, True], f"present after eviction (head, tail, other): {found}"
+    finally:
+        worker.shutdown()
+        daemon.stop()
+        cache.close()
 
 
 def test_nothing_is_held_for_a_killed_daemon(rig: tuple[DaemonProcess, ShmKVCache, CachexferdWorker]) -> None:

@@ -26,6 +26,9 @@ class Placed:
     host_ids: list[int] = field(default_factory=list)
     from_storage: list[bool] = field(default_factory=list)
     write_through: bool = False
+    # The block before digests[0] in its chain, when a store extends one (None: a chain
+    # start, or blocks of several chains): storage keeps such a chain's head longest.
+    parent: bytes | None = None
 
     def add(self, other: Placed) -> None:
         self.digests += other.digests
@@ -46,18 +49,19 @@ def prepare_stores(
     """Host blocks for the digests that need one, each run of one group linked to that
     group's chain; None when there was no room for any. ``groups[i]`` is the KV-cache group
     of ``digests[i]`` (all 0 when not given)."""
-    placed, stored_any = Placed(), False
+    placed, runs_placed = Placed(), 0
     for group, run in _runs(digests, groups or [0] * len(digests)):
         parent = chains.tails.get(group) if chains is not None else None
         got, whole = _store_run(index, run, parent)
         if got is not None:
             placed.add(got)
-            stored_any = True
+            placed.parent = parent if runs_placed == 0 else None
+            runs_placed += 1
         if not whole:
             break  # no room for the rest: it waits for a later step
         if chains is not None:
             chains.tails[group] = run[-1]
-    return placed if stored_any else None
+    return placed if runs_placed else None
 
 
 def prepare_loads(index: OffloadIndex, digests: list[bytes]) -> Placed:

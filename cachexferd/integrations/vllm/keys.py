@@ -39,6 +39,10 @@ class VllmKeyNames:
     def key(self, offload_key: bytes, rank: int) -> str:
         return self.space.key(self.block_hash(offload_key), rank)
 
+    def digest_key(self, digest: bytes, rank: int) -> str:
+        """The key of a block known by its digest (``block_hash(...).digest``)."""
+        return self.space.key(BlockHash(digest, self.tokens_per_block, partial=False), rank)
+
     def keys(self, offload_keys: Sequence[bytes], rank: int) -> list[str]:
         return [self.key(k, rank) for k in offload_keys]
 

@@ -8,8 +8,10 @@ What counts as what (``Probe.verdict``):
 
 - **lost**: a reply carries a new boot id (a restart: the host cache is gone); the
   daemon's process no longer exists (checked in /proc when the daemon is on this host, an
-  ``ipc://`` endpoint); or no reply at all for ``lost_after_s`` (a daemon on another host,
-  or one hung for good).
+  ``ipc://`` endpoint); nothing listens on its ``ipc://`` socket any more (a daemon whose
+  pid this process cannot see, e.g. in a sidecar container: a stopped or busy process still
+  accepts connections, an exited one does not); or no reply at all for ``lost_after_s``
+  (a daemon on another host, or one hung for good).
 - **unresponsive**: alive but behind: a ping unanswered for ``slow_after_s``, or the process
   stopped (SIGSTOP, a debugger). The link is kept (the daemon keeps its attachment and its
   host blocks); the plug-in only stops giving it new work until it answers again.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from enum import Enum
 from pathlib import Path
@@ -31,6 +34,7 @@ from typing import Any
 import zmq
 
 from ...client.link import ClientError, Link
+from ...procs import proc_stat
 from ...protocol import MsgType, Ping, Status
 
 
@@ -53,6 +57,7 @@ class Probe:
         self.last_reply = 0.0
         self._next_id = 0
         self._want_status = True
+        self._listen_checked = 0.0  # when the ipc socket was last found listening
 
     def ping(self) -> bool:
         """Sends a PING (or a STATUS when one is due); False when nothing listens at the ipc path."""
@@ -106,6 +111,8 @@ class Probe:
         if state == "gone":
             return Verdict.LOST, f"daemon at {self.endpoint} (pid {self.pid}) exited"
         silent = 0.0 if self.unanswered_since is None else now - self.unanswered_since
+        if state == "unknown" and silent > slow_after_s and not self._still_listening(now):
+            return Verdict.LOST, f"daemon at {self.endpoint} no longer listens"
         if silent > lost_after_s:
             return Verdict.LOST, f"daemon at {self.endpoint} did not answer for {silent:.0f}s"
         if state == "stopped":
@@ -113,6 +120,16 @@ class Probe:
         if silent > slow_after_s:
             return Verdict.UNRESPONSIVE, f"daemon at {self.endpoint} has not answered for {silent:.1f}s"
         return Verdict.UP, ""
+
+    def _still_listening(self, now: float) -> bool:
+        """For a silent local daemon whose pid is unknown: does its socket accept a
+        connection? Asked at most every 0.1 s (a connect is a few µs, but steps are many)."""
+        if not self.local or now - self._listen_checked < 0.1:
+            return True
+        if accepts_connections(self.endpoint[len("ipc://") :]):
+            self._listen_checked = now
+            return True
+        return False
 
     def forget(self) -> None:
         """After a loss: the next reply starts afresh."""
@@ -127,16 +144,26 @@ class Probe:
 
 def process_state(pid: int) -> str:
     """'gone', 'stopped' or 'alive', from /proc/<pid>/stat (same pid namespace)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    stat = proc_stat(pid)
+    if stat is None:
         return "gone"
-    if state in (b"Z", b"X"):
-        return "gone"
-    if state in (b"T", b"t"):
-        return "stopped"
-    return "alive"
+    return "stopped" if stat.state in ("T", "t") else "alive"
+
+
+def accepts_connections(path: str) -> bool:
+    """Whether a process listens on the unix socket ``path`` (``@name``: abstract). Only a
+    refused or missing socket says no: anything else (a full backlog, a permission) is
+    taken as someone there."""
+    address = "\0" + path[1:] if path.startswith("@") else path
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.setblocking(False)
+        try:
+            sock.connect(address)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            return True
+    return True
 
 
 def _is_daemon(pid: int) -> bool:
@@ -165,35 +192,23 @@ def vllm_lineage(max_depth: int = 6) -> list[tuple[int, int]]:
     lineage: list[tuple[int, int]] = []
     pid = os.getppid()
     for _ in range(max_depth):
-        info = _stat_fields(pid)
+        info = proc_stat(pid)
         if info is None or pid <= 1:
             break
-        lineage.append((pid, info[1]))
+        lineage.append((pid, info.start_ticks))
         if not _spawned(pid):
             break  # vLLM's main process: its own parent (a shell, systemd) does not matter
-        pid = info[0]
+        pid = info.ppid
     return lineage
 
 
 def orphaned(lineage: list[tuple[int, int]]) -> int | None:
     """The pid of the first process of ``lineage`` that is gone (or was replaced), else None."""
     for pid, started in lineage:
-        info = _stat_fields(pid)
-        if info is None or info[1] != started:
+        info = proc_stat(pid)
+        if info is None or info.start_ticks != started:
             return pid
     return None
-
-
-def _stat_fields(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time in clock ticks) of a live process; None when gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[1]), int(fields[19])
 
 
 def _spawned(pid: int) -> bool:

@@ -201,7 +201,8 @@ class CachexferdManager(OffloadingManager):
             return None
         self.stats["stores"] += 1
         store_keys = [by_digest[d] for d in placed.digests]
-        spec = HostStoreSpec(store_keys, placed.host_ids, write_through=placed.write_through, owner=self.owner)
+        spec = HostStoreSpec(store_keys, placed.host_ids, write_through=placed.write_through, owner=self.owner,
+                             parent=placed.parent)  # fmt: skip
         # Evicted keys only feed vLLM's KV events; the index reports evictions by digest.
         return PrepareStoreOutput(keys_to_store=store_keys, store_spec=spec, evicted_keys=[])
 

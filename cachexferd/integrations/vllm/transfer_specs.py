@@ -15,7 +15,9 @@ from .vllm_api import LoadStoreSpec, OffloadKey
 class HostStoreSpec(LoadStoreSpec):
     """Store job: copy the GPU blocks to ``host_ids`` (one per key). Before that, write each
     evicted block (``evicted_keys[i]`` in ``evicted_host_ids[i]``) to storage; with
-    ``write_through``, also write the new blocks to storage once they are on the host."""
+    ``write_through``, also write the new blocks to storage once they are on the host, naming
+    ``parent`` (the digest of the block before ``keys[0]`` in its chain, if any) so storage
+    eviction keeps the chain's head."""
 
     def __init__(
         self,
@@ -25,9 +27,11 @@ class HostStoreSpec(LoadStoreSpec):
         evicted_host_ids: list[int] | None = None,
         write_through: bool = False,
         owner: str = "",
+        parent: bytes | None = None,
     ) -> None:
         self.keys = list(keys)
         self.owner = owner
+        self.parent = parent
         self.host_ids = list(host_ids)
         self.evicted_keys = list(evicted_keys or [])
         self.evicted_host_ids = list(evicted_host_ids or [])

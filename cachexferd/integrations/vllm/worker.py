@@ -73,6 +73,17 @@ class _Part:
     host_ids: list[int]
     keys: list[OffloadKey]
     then_store: bool = False  # write-through: STORE the host blocks once this SWAP_OUT succeeded
+    parent: bytes | None = None  # the digest of the block before keys[0] in its chain (STORE's parent)
+
+
+@dataclass
+class _Write:
+    """A write-through STORE waiting for the next send."""
+
+    keys: list[OffloadKey]
+    host_ids: list[int]
+    owner: str
+    parent: bytes | None
 
 
 @dataclass
@@ -91,7 +102,7 @@ class CachexferdWorker(OffloadingWorker):
         self._parts: dict[int, _Part] = {}  # daemon req_id -> part
         self._jobs: dict[int, _Job] = {}  # vLLM job_id -> job in flight
         self._finished: list[TransferResult] = []
-        self._writes: list[tuple[list[OffloadKey], list[int], str]] = []  # write-through STOREs to send
+        self._writes: list[_Write] = []  # write-through STOREs to send
         self.invalid_block_ids: set[int] = set()  # GPU blocks whose load failed (for recompute)
         self.failed_keys: list[OffloadKey] = []  # offload keys that are not where the manager thinks
         self.stats = {"stores": 0, "loads": 0, "failed_stores": 0, "failed_loads": 0, "given_up": 0, "bytes": 0}
@@ -116,7 +127,7 @@ class CachexferdWorker(OffloadingWorker):
             rid = client.submit(MsgType.SWAP_OUT, self._copy_fields(job, job.device_ids, dst_spec.host_ids),
                                 self._timeout(job))  # fmt: skip
             self._add_part(job, rid, _Part(job, MsgType.SWAP_OUT, job.device_ids, dst_spec.host_ids, job.keys,
-                                           then_store=dst_spec.write_through))  # fmt: skip
+                                           then_store=dst_spec.write_through, parent=dst_spec.parent))  # fmt: skip
             return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
@@ -182,9 +193,12 @@ class CachexferdWorker(OffloadingWorker):
         job.parts += 1
         self._parts[rid] = part
 
-    def _send_store(self, client: EngineClient, keys: list[OffloadKey], host_ids: list[int], owner: str) -> None:
+    def _send_store(self, client: EngineClient, keys: list[OffloadKey], host_ids: list[int], owner: str,
+                    parent: bytes | None = None) -> None:  # fmt: skip
         fields = {"keys": self.names.keys(keys, self.rank), "host_ids": host_ids, "device_ids": None,
                   "owner": owner}  # fmt: skip
+        if parent is not None:
+            fields["parent"] = self.names.digest_key(parent, self.rank)
         rid = client.submit(MsgType.STORE, fields)
         self._parts[rid] = _Part(None, MsgType.STORE, [], host_ids, keys)
 
@@ -255,7 +269,7 @@ class CachexferdWorker(OffloadingWorker):
         else:
             part.job.nbytes += int(done.result().get("bytes", 0))
             if part.then_store:
-                self._writes.append((part.keys, part.host_ids, part.job.owner))
+                self._writes.append(_Write(part.keys, part.host_ids, part.job.owner, part.parent))
         part.job.parts -= 1
         if part.job.parts == 0:
             self._finish(part.job)
@@ -266,11 +280,11 @@ class CachexferdWorker(OffloadingWorker):
         writes, self._writes = self._writes, []
         client = self.conn.client
         if client is None or not self.conn.usable:
-            for keys, _, _ in writes:
-                self.failures.note("storage write", f"{len(keys)} blocks not written: daemon unavailable")
+            for write in writes:
+                self.failures.note("storage write", f"{len(write.keys)} blocks not written: daemon unavailable")
             return
-        for keys, host_ids, owner in writes:
-            self._send_store(client, keys, host_ids, owner)
+        for write in writes:
+            self._send_store(client, write.keys, write.host_ids, write.owner, write.parent)
 
     # Failures -------------------------------------------------------------------------------
 
