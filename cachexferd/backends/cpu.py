@@ -347,6 +347,12 @@ class CpuDeviceCache(DeviceCache):
         return results
 
     def swap_now(self, direction: Direction, requests: Sequence[SwapRequest]) -> list[BaseException | None]:
+        to_host = direction is Direction.D2H
+        singles = _single_blocks(requests, to_host)
+        if singles is not None:  # the common batch: straight to one copy per group
+            for group in self.groups:
+                _copy_singles(group, to_host, *singles)
+            return [None] * len(requests)
         items = [plan_item(i, r.device_ids, r.host_ids) for i, r in enumerate(requests)]
         failed = self._copy_shard(direction, items, [r.cancel for r in requests])
         if not failed:
@@ -431,6 +437,19 @@ class CpuBackend(Backend):
     def close(self) -> None:
         for pool in self.pools.values():
             pool.shutdown(wait=True)
+
+
+def _single_blocks(requests: Sequence[SwapRequest], to_host: bool) -> tuple[list[int], list[int]] | None:
+    """(source ids, destination ids) when every request moves one block and none is
+    cancelled, else None. Only for the loop thread, where no cancel can come in between."""
+    device: list[int] = []
+    host: list[int] = []
+    for device_ids, host_ids, cancel in requests:
+        if len(device_ids) != 1 or cancel.cancelled:
+            return None
+        device.append(device_ids[0])
+        host.append(host_ids[0])
+    return (device, host) if to_host else (host, device)
 
 
 def _copy_singles(group: TensorGroup, to_host: bool, src_ids: list[int], dst_ids: list[int]) -> None:

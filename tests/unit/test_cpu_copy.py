@@ -134,8 +134,24 @@ def test_scattered_single_blocks_and_repeated_sources(rig: Rig) -> None:
         rig.check()
 
 
+@pytest.mark.parametrize("count", [3, 20])  # row by row, and one indexed copy
+@pytest.mark.parametrize("direction", [Direction.D2H, Direction.H2D])
+def test_swap_now_single_block_commands(rig: Rig, direction: Direction, count: int) -> None:
+    """Every command one block (the batch that skips the per-command plan), sources repeated."""
+    rng = random.Random(count)
+    device_blocks, host_blocks = rig.cache.layout.num_blocks, rig.host.shape[0]
+    if direction is Direction.D2H:
+        commands = [([rng.randrange(device_blocks)], [h]) for h in rng.sample(range(host_blocks), count)]
+    else:
+        commands = [([d], [rng.randrange(host_blocks)]) for d in rng.sample(range(device_blocks), count)]
+    assert rig.device.swap_now(direction, _requests(commands)) == [None] * count
+    for d, h in commands:
+        rig.apply(direction, d, h)
+    rig.check()
+
+
 def test_a_cancelled_command_copies_nothing(rig: Rig) -> None:
-    requests = _requests([([1], [5]), ([2, 3, 4], [6, 7, 8]), ([6], [9]), ([7, 9], [10, 12])])
+    requests = _requests([([1], [5]), ([2, 3, 4], [6, 7, 8]), ([6], [9]), ([7, 9], [10, 12]), ([11], [13])])
     requests[1].cancel.cancel(ErrorCode.DETACHED, "gone")
     requests[3].cancel.cancel(ErrorCode.SHUTTING_DOWN, "stopping")
     errors = rig.device.swap_now(Direction.D2H, requests)
@@ -144,6 +160,18 @@ def test_a_cancelled_command_copies_nothing(rig: Rig) -> None:
     assert errors[3] is not None and errors[3].code == ErrorCode.SHUTTING_DOWN  # type: ignore[attr-defined]
     rig.apply(Direction.D2H, [1], [5])
     rig.apply(Direction.D2H, [6], [9])
+    rig.apply(Direction.D2H, [11], [13])
+    rig.check()
+
+
+def test_a_cancelled_single_block_command_copies_nothing(rig: Rig) -> None:
+    requests = _requests([([1], [5]), ([2], [6]), ([3], [7])])
+    requests[1].cancel.cancel(ErrorCode.DETACHED, "gone")
+    errors = rig.device.swap_now(Direction.D2H, requests)
+    assert errors[0] is None and errors[2] is None
+    assert errors[1] is not None and errors[1].code == ErrorCode.DETACHED  # type: ignore[attr-defined]
+    rig.apply(Direction.D2H, [1], [5])
+    rig.apply(Direction.D2H, [3], [7])
     rig.check()
 
 
