@@ -362,10 +362,6 @@ class Daemon:
                 on_frames(identity, frames, now)
             except Exception:  # never let one message stop the daemon
                 log.exception("unhandled error dispatching a message")
-            # Asking zmq.EVENTS (which also re-arms the descriptor) costs less than the
-            # zmq.Again of a read that finds nothing, and one message per wake-up is common.
-            if router.closed or not readable(router):
-                return
         self._check_readable()
 
     def _check_readable(self) -> None:
