@@ -13,19 +13,19 @@ import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
 
 from ..protocol import Command, ErrorCode, MsgType, Outcome, Shutdown, Status, encode_body, encode_command
-from ..security import CurveClientKeys, KeyFile, needs_ipv6
+from ..security import CurveClientKeys, KeyFile
 from ..zmqio import send_frames
 from .commands import CommandMethods, Fields
 from .core import EngineCore
 from .engine import default_events_endpoint, secure_events_socket
 from .events import EventSocket, check_curve_events, curve_per_endpoint
-from .link import _HANDSHAKE_FAILURES, SOCKET_OPTIONS, ClientError, check_ok, handshake_failure_text, read_outcomes
+from .link import _HANDSHAKE_FAILURES, ClientError, check_ok, handshake_failure_text, make_dealer, read_outcomes
 from .pending import Completion
 
 _PUMP_TICK_S = 0.05
@@ -76,15 +76,8 @@ class AsyncEngineClient(CommandMethods[asyncio.Future[Completion]]):
         self._pump: asyncio.Task[None] | None = None
 
     def _dealer(self, endpoint: str, curve: CurveClientKeys | None) -> zmq.asyncio.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        for option, value in SOCKET_OPTIONS.items():
-            sock.setsockopt(option, value)
-        if needs_ipv6(endpoint):
-            sock.setsockopt(zmq.IPV6, 1)
-        if curve is not None:
-            curve.apply(sock)
-        sock.connect(endpoint)
-        return sock
+        # The asyncio context makes asyncio sockets; the options are the synchronous client's.
+        return cast(zmq.asyncio.Socket, make_dealer(self.ctx, endpoint, curve))
 
     async def connect(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
         outcomes = [await self._call(i, self.core.hello(), timeout_s) for i in range(len(self.dealers))]
