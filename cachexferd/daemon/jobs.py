@@ -267,6 +267,8 @@ class Jobs:
         self.metrics.running.set(self.ordering.running)
 
 
+# SwapRequest's own constructor checks its arguments by name; building the tuple directly
+# skips that (one per command on the copy path).
 _new_tuple: Any = tuple.__new__
 
 
