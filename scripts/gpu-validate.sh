@@ -23,8 +23,8 @@
 # pytest-cuda.log, bench.log, bench/swap.json, anchors/*.jsonl, probes.log, copy_probe.json,
 # pin_probe.json.
 #
-# Needs python3 with the CUDA build of torch (which brings Triton). pyzmq, msgpack, uvloop,
-# prometheus-client, pytest and pytest-timeout are installed from --wheels DIR when missing
+# Needs python3 with the CUDA build of torch (which brings Triton). pyzmq, msgpack, msgspec,
+# numpy, uvloop, prometheus-client, pytest and pytest-timeout are installed from --wheels DIR when missing
 # (into /tmp/cx-site, put on PYTHONPATH so every subprocess, the tests' included, sees them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +34,7 @@ STEPS="${STEPS:-tests bench anchors copy pin}"
 WHEELS="${WHEELS:-}"
 ANCHORS="${ANCHORS:-}"
 PIN_CAPACITY="${PIN_CAPACITY:-32GiB}"
-NEEDED="pyzmq msgpack uvloop prometheus-client pytest pytest-timeout"
+NEEDED="pyzmq msgpack msgspec numpy uvloop prometheus-client pytest pytest-timeout"
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -56,8 +56,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 missing_modules() {
   "$PY" - <<'EOF'
 import importlib.util
-wanted = {"zmq": "pyzmq", "msgpack": "msgpack", "uvloop": "uvloop", "prometheus_client": "prometheus-client",
-          "pytest": "pytest", "pytest_timeout": "pytest-timeout"}
+wanted = {"zmq": "pyzmq", "msgpack": "msgpack", "msgspec": "msgspec", "numpy": "numpy", "uvloop": "uvloop",
+          "prometheus_client": "prometheus-client", "pytest": "pytest", "pytest_timeout": "pytest-timeout"}
 print(" ".join(pkg for mod, pkg in wanted.items() if importlib.util.find_spec(mod) is None))
 EOF
 }
@@ -87,7 +87,8 @@ SUMMARY="$OUT/summary.txt"
 import importlib.util, os, platform, torch
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
 print("cuda available", torch.cuda.is_available(), "devices", torch.cuda.device_count())
-for name in ("triton", "cuda.bindings", "zmq", "msgpack", "uvloop", "prometheus_client", "pytest_timeout"):
+for name in ("triton", "cuda.bindings", "zmq", "msgpack", "msgspec", "numpy", "uvloop", "prometheus_client",
+             "pytest_timeout"):
     try:
         found = importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:
