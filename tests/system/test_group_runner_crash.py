@@ -15,7 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -66,7 +66,18 @@ def accounts() -> tuple[int, int, int]:
         subprocess.run(["groupadd", "--system", GROUP], check=True, capture_output=True)
     _ensure_account(DAEMON_USER, "--gid", GROUP)
     _ensure_account(RUNNER_USER, "--groups", GROUP)
+    _skip_unless_importable_by(DAEMON_USER)
     return pwd.getpwnam(DAEMON_USER).pw_uid, pwd.getpwnam(RUNNER_USER).pw_uid, grp.getgrnam(GROUP).gr_gid
+
+
+def _skip_unless_importable_by(user: str) -> None:
+    """The test's users run this checkout's code: a checkout (or venv) in a directory other
+    users may not enter, e.g. one made by ``mktemp -d``, cannot be tested this way."""
+    probe = subprocess.run(as_user(user, [sys.executable, "-c", "import cachexferd"]), capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd="/")  # fmt: skip
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        pytest.skip(f"user {user} cannot import cachexferd from {ROOT} (not readable by other users?): {last}")
 
 
 def as_user(user: str, argv: list[str]) -> list[str]:
@@ -91,7 +102,7 @@ def group_daemon(accounts: tuple[int, int, int], short_tmp: Path) -> Iterator[tu
         proc = subprocess.Popen(as_user(DAEMON_USER, argv), stdout=out, stderr=subprocess.STDOUT, env=env)
     endpoint = f"ipc://{runtime / 'cmd.sock'}"
     try:
-        _wait(lambda: _status(endpoint) is not None, 60, f"daemon did not start: {log.read_text()[-2000:]}")
+        _wait(lambda: _status(endpoint) is not None, 60, lambda: f"daemon did not start: {log.read_text()[-2000:]}")
         yield endpoint, log
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -109,13 +120,13 @@ def _status(endpoint: str) -> dict[str, object] | None:
         return None
 
 
-def _wait(ready: object, timeout_s: float, message: str) -> None:
+def _wait(ready: object, timeout_s: float, message: str | Callable[[], str]) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if ready():  # type: ignore[operator]
             return
         time.sleep(0.1)
-    raise AssertionError(message)
+    raise AssertionError(message if isinstance(message, str) else message())
 
 
 def _runner(endpoint: str, mode: str, home: Path) -> subprocess.Popen[str]:
