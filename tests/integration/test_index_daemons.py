@@ -121,10 +121,13 @@ def run_conversations(
         index = PrefixIndex(client, space, gpu_blocks=GPU_BLOCKS, host_blocks=host_blocks, storage=storage, debug=True)
         scheduler = Scheduler(index, caches)
         # Three 6-block conversations through a 16-block GPU tier, then the first one returns.
+        # Each turn's swap-outs and stores end before the next turn starts (a user's think
+        # time): a GPU victim that finds every host block still being stored is dropped, not
+        # spilled, so without the pause which blocks survive would depend on timing.
         for conversation in (1, 2, 3, 1, 4, 5, 2):
             hits.append(scheduler.serve(prompt(conversation, 6)))
             scheduler.check_cached()
-        scheduler.steps_until(lambda: not index.busy)
+            scheduler.steps_until(lambda: not index.busy)
         index.check()
         stats = index.stats()
         assert stats.failed_blocks == dict.fromkeys(stats.failed_blocks, 0), stats
