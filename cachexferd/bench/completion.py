@@ -8,6 +8,8 @@ and swap-in alternating, each on its own block) sent at a fixed rate to TP real 
 Each configuration (TP, rate) measures, back to back:
 
 - ``idle``: the scheduler alone, no traffic: its own step rate (first, and after each run);
+- ``bare``: the floor of any ZeroMQ client (``bare_engine``): pre-built frames sent with
+  pyzmq, events read from a PULL, nothing else; the client engines' time is read against it;
 - ``client``: EngineClient, ``poll()`` at every step boundary, no thread;
 - ``async``: AsyncEngineClient; the scheduler is a coroutine that yields
   (``await asyncio.sleep(0)``) between steps so the client's pump can run;
@@ -49,9 +51,19 @@ from .completion_engines import (
     steps,
     swap_command,
 )
-from .completion_report import HEADER, TARGETS_TEXT, StepLog, add_loss, check_targets, format_row, plot, summarize
+from .completion_report import (
+    HEADER,
+    TARGETS_TEXT,
+    StepLog,
+    add_floor,
+    add_loss,
+    check_targets,
+    format_row,
+    plot,
+    summarize,
+)
 
-ENGINES = ("client", "batched", "async", "queue")
+ENGINES = ("bare", "client", "batched", "async", "queue")
 NO_MATPLOTLIB = "matplotlib is not installed (pip install 'cachexferd[plots]')"
 WARM_UP = 16  # commands completed before each client run starts measuring
 
@@ -64,7 +76,7 @@ def add_completion_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-ms", type=float, default=1.0, help="CPU work per scheduler step")
     p.add_argument("--async-yields", type=int, default=1,
                    help="async: asyncio.sleep(0) calls between two scheduler steps")  # fmt: skip
-    p.add_argument("--engines", default=",".join(ENGINES), help="which of client,batched,async,queue to run")
+    p.add_argument("--engines", default=",".join(ENGINES), help="which of bare,client,batched,async,queue to run")
     p.add_argument("--client-option", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword passed to both client constructors (value parsed as JSON, else a string)")  # fmt: skip
     p.add_argument("--json", help="write every run's figures (and machine info) to this file")
@@ -129,6 +141,20 @@ def run_client(daemons: Daemons, rate: float, args: argparse.Namespace, work: Ca
     return log, engine
 
 
+def run_bare(daemons: Daemons, rate: float, args: argparse.Namespace, work: Callable[[], Any]) -> RunResult:
+    from .bare_engine import BareZmqEngine
+
+    engine = BareZmqEngine(daemons.endpoints, daemons.pids)
+    try:
+        engine.warm_up(WARM_UP)
+        log = StepLog()
+        for _ in steps(engine, work, rate, args.duration, args.drain, log):
+            pass
+    finally:
+        engine.close()
+    return log, engine
+
+
 def run_async(daemons: Daemons, rate: float, args: argparse.Namespace, work: Callable[[], Any]) -> RunResult:
     from ..client import AsyncEngineClient
 
@@ -161,6 +187,7 @@ def run_queue(daemons: Daemons, rate: float, args: argparse.Namespace, work: Cal
 
 
 RUNS: dict[str, Callable[[Daemons, float, argparse.Namespace, Callable[[], Any]], RunResult]] = {
+    "bare": run_bare,
     "client": run_client,
     "batched": functools.partial(run_client, batched=True),
     "async": run_async,
@@ -179,6 +206,7 @@ def run_config(
         log, engine = (run_idle if name == "idle" else RUNS[name])(daemons, rate, args, work)
         rows.append(summarize(name, tp, rate, log, engine.expected, engine.client_time))
     add_loss(rows)
+    add_floor(rows)
     for row in rows:
         print(format_row(row), flush=True)
     return rows

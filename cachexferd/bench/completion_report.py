@@ -120,6 +120,17 @@ def add_loss(rows: list[dict[str, Any]]) -> None:
         row["loss_time"] = round(share - row["work_share"], 4)
 
 
+def add_floor(rows: list[dict[str, Any]]) -> None:
+    """Each traffic run's client time against the ``bare`` run of its configuration (the
+    sends and receives alone, measured in the same session): ``client_vs_bare``."""
+    bare = next((r for r in rows if r["engine"] == "bare"), None)
+    for row in rows:
+        row["client_vs_bare"] = None
+        if bare is None or row["engine"] in ("idle", "bare") or not bare["client_us_per_cmd"]:
+            continue
+        row["client_vs_bare"] = round(row["client_us_per_cmd"] / bare["client_us_per_cmd"], 3)
+
+
 HEADER = (
     f"{'engine':7} {'TP':>2} {'rate/s':>7} {'delivered':>13} {'backlog':>7} {'p50 ms':>7} {'p99 ms':>7} "
     f"{'p50 st':>6} {'p99 st':>6} {'steps/s':>7} {'loss':>6} {'loss-t':>6} "
@@ -155,12 +166,20 @@ def check_targets(r: dict[str, Any]) -> list[str]:
         ("p50", r["p50_steps"] <= TARGETS["p50_steps"], f"{r['p50_steps']:.0f} steps"),
         ("p99", r["p99_steps"] <= TARGETS["p99_steps"], f"{r['p99_steps']:.0f} steps"),
         ("loss", loss_time <= TARGETS["loss"], f"{loss_time:.1%} of time, {_pct(r['loss'])} of steps/s"),
-        ("client", r["client_us_per_cmd"] <= TARGETS["client_us_per_cmd"], f"{r['client_us_per_cmd']:.1f} us"),
+        ("client", r["client_us_per_cmd"] <= TARGETS["client_us_per_cmd"], _client_text(r)),
     ]  # fmt: skip
     return [f"{name}: {'ok' if met else 'MISSED'} ({value})" for name, met, value in checks]
 
 
-ENGINE_COLORS = {"client": "tab:green", "batched": "tab:olive", "async": "tab:blue", "queue": "tab:red"}
+def _client_text(r: dict[str, Any]) -> str:
+    ratio = r.get("client_vs_bare")
+    floor = f"; {ratio:.2f}x the bare ZeroMQ floor of this run" if ratio is not None else ""
+    return f"{r['client_us_per_cmd']:.1f} us{floor}"
+
+
+ENGINE_COLORS = {
+    "bare": "tab:gray", "client": "tab:green", "batched": "tab:olive", "async": "tab:blue", "queue": "tab:red",
+}  # fmt: skip
 
 
 def plot(rows: list[dict[str, Any]], path: str, title: str) -> bool:

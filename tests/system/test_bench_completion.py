@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from cachexferd.bench.completion import configs
-from cachexferd.bench.completion_report import StepLog, add_loss, latencies, percentile
+from cachexferd.bench.completion_report import StepLog, add_floor, add_loss, check_targets, latencies, percentile
 
-TRAFFIC = ("client", "batched", "async", "queue")
+TRAFFIC = ("bare", "client", "batched", "async", "queue")
 
 
 @pytest.mark.slow
@@ -29,17 +29,7 @@ def test_tiny_run_reports_every_engine(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     runs = data["runs"]
-    assert [r["engine"] for r in runs] == [
-        "idle",
-        "client",
-        "idle",
-        "batched",
-        "idle",
-        "async",
-        "idle",
-        "queue",
-        "idle",
-    ]
+    assert [r["engine"] for r in runs] == ["idle", *(n for engine in TRAFFIC for n in (engine, "idle"))]
     for run in runs:
         assert run["tp"] == 1 and run["rate"] == 40
         assert run["steps"] > 0 and run["steps_per_s"] > 0
@@ -52,6 +42,7 @@ def test_tiny_run_reports_every_engine(tmp_path: Path) -> None:
         assert 0 < run["p50_ms"] <= run["p99_ms"] <= run["max_ms"], run
         assert 1 <= run["p50_steps"] <= run["p99_steps"], run
         assert run["client_us_per_cmd"] > 0 and run["loss"] is not None, run
+        assert (run["client_vs_bare"] is None) == (run["engine"] == "bare"), run
     assert data["machine"]["step_ms"] > 0 and data["machine"]["loadavg_start"]
     assert "targets:" in proc.stdout
     if importlib.util.find_spec("matplotlib") is None:
@@ -103,3 +94,17 @@ def test_loss_uses_the_idle_runs_beside_each_run() -> None:
     assert rows[1]["loss"] == pytest.approx(0.0)  # 900 against the mean of 1000 and 800
     assert rows[1]["loss_time"] == pytest.approx(0.10)
     assert rows[0]["loss"] is None
+
+
+def test_client_time_is_read_against_the_bare_run_of_its_configuration() -> None:
+    rows = [
+        {"engine": "idle", "client_us_per_cmd": 0.0},
+        {"engine": "bare", "client_us_per_cmd": 40.0},
+        {"engine": "client", "client_us_per_cmd": 60.0},
+    ]
+    add_floor(rows)
+    assert rows[2]["client_vs_bare"] == 1.5
+    assert rows[0]["client_vs_bare"] is None and rows[1]["client_vs_bare"] is None
+    row = {**rows[2], "rate": 100.0, "missing": 0, "backlog_at_end": 0, "p50_steps": 1.0, "p99_steps": 2.0,
+           "loss": 0.0, "loss_time": 0.0}  # fmt: skip
+    assert "client: MISSED (60.0 us; 1.50x the bare ZeroMQ floor of this run)" in check_targets(row)
