@@ -1,16 +1,22 @@
-"""The ``bare`` engine of ``cachexferd bench completion``: the floor of any ZeroMQ client.
+"""The floors of ``cachexferd bench completion``: a bare client, and bare servers.
 
-The same commands to the same daemons as the ``client`` engine, with nothing but pyzmq and
-the msgpack codec: a DEALER per rank sends each command's pre-built frames, a PULL takes
-the EVENT_BATCH messages, and a command is complete once every rank reported it. No
-pending table, deadlines, heartbeats, connection watch or outcome objects. What the
-scheduler thread spends here per command is what the sends and receives themselves cost
-on this host; the client engines' time is read against it.
+``bare``: the same commands to the same daemons as the ``client`` engine, with nothing but
+pyzmq and the msgpack codec: a DEALER per rank sends each command's frames, a PULL takes
+the events, and a command is complete once every rank reported it. No pending table,
+deadlines, heartbeats, connection watch or outcome objects. What the scheduler thread
+spends here per command is what the sends and receives themselves cost on this host; the
+client engines' time is read against it.
+
+``floor``: that bare client against bare loops (``bare_loop``: one pyzmq process per rank
+that answers each command with an event at once) instead of daemons: the delivery latency
+any ZeroMQ client and server pair of processes gets on this host, at this rate, with this
+scheduler. The daemons' latency is read against it.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -20,21 +26,32 @@ import msgspec
 import zmq
 
 from ..protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR, Hello, MsgType, encode_body, encode_command
+from .bare_loop import start_bare_loop
 from .completion_engines import ClientTime, processes_cpu_s, swap_command
 
 _decode = msgspec.msgpack.Decoder().decode
 
 
 class BareZmqEngine:
-    def __init__(self, endpoints: list[str], daemon_pids: list[int]) -> None:
-        self.daemon_pids = daemon_pids
+    """``endpoints``: daemons (said hello to), or None with ``ranks`` bare loops started here."""
+
+    def __init__(self, endpoints: list[str] | None, daemon_pids: list[int], ranks: int = 0) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self._dir = tempfile.TemporaryDirectory(prefix="cx-bare-")
         self.pull = self.ctx.socket(zmq.PULL)
         events = f"ipc://{Path(self._dir.name) / 'events.sock'}"
         self.pull.bind(events)
+        self.loops: list[subprocess.Popen[bytes]] = []
+        if endpoints is None:
+            endpoints = [f"ipc://{Path(self._dir.name) / f'loop{rank}.sock'}" for rank in range(ranks)]
+            self.loops = [start_bare_loop(endpoint, events) for endpoint in endpoints]
+            daemon_pids = [loop.pid for loop in self.loops]
+        self.daemon_pids = daemon_pids
         self.dealers = [self._dealer(endpoint) for endpoint in endpoints]
-        self.boot_ids = [self._hello(sock, events, i) for i, sock in enumerate(self.dealers)]
+        if self.loops:
+            self.boot_ids = ["bare"] * len(endpoints)
+        else:
+            self.boot_ids = [self._hello(sock, events, i) for i, sock in enumerate(self.dealers)]
         self.origins: dict[int, float] = {}  # req_id -> submit time
         self.reports: dict[int, int] = {}  # req_id -> ranks that reported it
         self.sent = 0  # commands of the measured run
@@ -92,9 +109,12 @@ class BareZmqEngine:
                 frames = recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if frames[0][3] != MsgType.EVENT_BATCH:
-                continue
-            for req_id, _, code, *_ in _decode(frames[1])["events"]:
+            body = _decode(frames[1])
+            if frames[0][3] == MsgType.EVENT:  # a bare loop's
+                events = [(body["req_id"], body["code"])]
+            else:
+                events = [(entry[0], entry[2]) for entry in body["events"]]
+            for req_id, code in events:
                 count = reports.get(req_id, 0) + 1
                 if count < ranks:
                     reports[req_id] = count
@@ -120,4 +140,12 @@ class BareZmqEngine:
         for sock in (*self.dealers, self.pull):
             sock.close(0)
         self.ctx.term()
+        for loop in self.loops:
+            assert loop.stdin is not None
+            loop.stdin.close()  # a bare loop exits when its stdin closes
+            try:
+                loop.wait(10)
+            except subprocess.TimeoutExpired:
+                loop.kill()
+                loop.wait(10)
         self._dir.cleanup()

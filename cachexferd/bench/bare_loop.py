@@ -8,6 +8,7 @@ it prints "ready" once bound and exits when its stdin closes or on SIGTERM.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 
@@ -43,6 +44,18 @@ def serve(command_endpoint: str, events_endpoint: str, stop: threading.Event) ->
     router.close(0)
     push.close(0)
     ctx.term()
+
+
+def start_bare_loop(endpoint: str, events: str) -> subprocess.Popen[bytes]:
+    """A ``bare_loop`` process serving ``endpoint``; returns once it is bound."""
+    argv = [sys.executable, "-m", "cachexferd.bench.bare_loop", endpoint, events]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != b"ready":
+        proc.kill()
+        proc.wait(10)
+        raise RuntimeError("the bare loop did not start")
+    return proc
 
 
 def main() -> None:

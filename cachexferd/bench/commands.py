@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -30,6 +28,7 @@ import zmq
 
 from ..launch import DaemonProcess
 from ..protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR, KVLayout, MsgType, encode_batch, encode_body
+from .bare_loop import start_bare_loop
 
 LAYOUT = KVLayout(num_layers=2, num_blocks=1024, block_size=16, num_kv_heads=1, head_dim=64, dtype="float16")
 _HELLO_REQ_ID = 1 << 62  # outside the range the parts use
@@ -169,18 +168,6 @@ def chain(first_req: int, count: int) -> list[tuple[list[bytes], list[int]]]:
     return out
 
 
-def _bare_loop(endpoint: str, events: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cachexferd.bench.bare_loop", endpoint, events],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    if proc.stdout.readline().strip() != b"ready":
-        proc.kill()
-        raise RuntimeError("the bare loop did not start")
-    return proc
-
-
 def _start_daemon(tmp: Path) -> DaemonProcess:
     settings = {"metrics.port": 0, "host_cache.capacity": "32MiB", "daemon.max_inflight": 50_000,
                 "daemon.log_level": "warning", "storage.backend": "none"}  # fmt: skip
@@ -193,7 +180,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from ..client.runner import RunnerClient, ShmKVCache
 
     ctx: zmq.Context[Any] = zmq.Context()
-    bare = _bare_loop(f"ipc://{tmp}/bare.sock", f"ipc://{tmp}/bare-ev.sock")
+    bare = start_bare_loop(f"ipc://{tmp}/bare.sock", f"ipc://{tmp}/bare-ev.sock")
     bare_gen = Generator(ctx, f"ipc://{tmp}/bare.sock", f"ipc://{tmp}/bare-ev.sock", bare.pid)
     daemon = _start_daemon(tmp)
     cache = ShmKVCache(LAYOUT)

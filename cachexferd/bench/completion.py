@@ -8,8 +8,10 @@ and swap-in alternating, each on its own block) sent at a fixed rate to TP real 
 Each configuration (TP, rate) measures, back to back:
 
 - ``idle``: the scheduler alone, no traffic: its own step rate (first, and after each run);
-- ``bare``: the floor of any ZeroMQ client (``bare_engine``): pre-built frames sent with
-  pyzmq, events read from a PULL, nothing else; the client engines' time is read against it;
+- ``floor``: a bare ZeroMQ client against bare pyzmq servers that answer each command at
+  once (``bare_engine``): the delivery latency this host gives any pair of processes;
+- ``bare``: that bare client against the daemons: the least client time per command; the
+  client engines' time is read against it;
 - ``client``: EngineClient, ``poll()`` at every step boundary, no thread;
 - ``async``: AsyncEngineClient; the scheduler is a coroutine that yields
   (``await asyncio.sleep(0)``) between steps so the client's pump can run;
@@ -63,7 +65,7 @@ from .completion_report import (
     summarize,
 )
 
-ENGINES = ("bare", "client", "batched", "async", "queue")
+ENGINES = ("floor", "bare", "client", "batched", "async", "queue")
 NO_MATPLOTLIB = "matplotlib is not installed (pip install 'cachexferd[plots]')"
 WARM_UP = 16  # commands completed before each client run starts measuring
 
@@ -76,7 +78,7 @@ def add_completion_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-ms", type=float, default=1.0, help="CPU work per scheduler step")
     p.add_argument("--async-yields", type=int, default=1,
                    help="async: asyncio.sleep(0) calls between two scheduler steps")  # fmt: skip
-    p.add_argument("--engines", default=",".join(ENGINES), help="which of bare,client,batched,async,queue to run")
+    p.add_argument("--engines", default=",".join(ENGINES), help="which of floor,bare,client,batched,async,queue to run")
     p.add_argument("--client-option", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword passed to both client constructors (value parsed as JSON, else a string)")  # fmt: skip
     p.add_argument("--json", help="write every run's figures (and machine info) to this file")
@@ -141,10 +143,14 @@ def run_client(daemons: Daemons, rate: float, args: argparse.Namespace, work: Ca
     return log, engine
 
 
-def run_bare(daemons: Daemons, rate: float, args: argparse.Namespace, work: Callable[[], Any]) -> RunResult:
+def run_bare(daemons: Daemons, rate: float, args: argparse.Namespace, work: Callable[[], Any],
+             floor: bool = False) -> RunResult:  # fmt: skip
     from .bare_engine import BareZmqEngine
 
-    engine = BareZmqEngine(daemons.endpoints, daemons.pids)
+    if floor:
+        engine = BareZmqEngine(None, [], ranks=len(daemons.endpoints))
+    else:
+        engine = BareZmqEngine(daemons.endpoints, daemons.pids)
     try:
         engine.warm_up(WARM_UP)
         log = StepLog()
@@ -187,6 +193,7 @@ def run_queue(daemons: Daemons, rate: float, args: argparse.Namespace, work: Cal
 
 
 RUNS: dict[str, Callable[[Daemons, float, argparse.Namespace, Callable[[], Any]], RunResult]] = {
+    "floor": functools.partial(run_bare, floor=True),
     "bare": run_bare,
     "client": run_client,
     "batched": functools.partial(run_client, batched=True),

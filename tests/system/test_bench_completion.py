@@ -17,7 +17,7 @@ import pytest
 from cachexferd.bench.completion import configs
 from cachexferd.bench.completion_report import StepLog, add_floor, add_loss, check_targets, latencies, percentile
 
-TRAFFIC = ("bare", "client", "batched", "async", "queue")
+TRAFFIC = ("floor", "bare", "client", "batched", "async", "queue")
 
 
 @pytest.mark.slow
@@ -42,7 +42,8 @@ def test_tiny_run_reports_every_engine(tmp_path: Path) -> None:
         assert 0 < run["p50_ms"] <= run["p99_ms"] <= run["max_ms"], run
         assert 1 <= run["p50_steps"] <= run["p99_steps"], run
         assert run["client_us_per_cmd"] > 0 and run["loss"] is not None, run
-        assert (run["client_vs_bare"] is None) == (run["engine"] == "bare"), run
+        assert (run["client_vs_bare"] is None) == (run["engine"] in ("floor", "bare")), run
+        assert (run["floor_p99_steps"] is None) == (run["engine"] == "floor"), run
     assert data["machine"]["step_ms"] > 0 and data["machine"]["loadavg_start"]
     assert "targets:" in proc.stdout
     if importlib.util.find_spec("matplotlib") is None:
@@ -96,15 +97,19 @@ def test_loss_uses_the_idle_runs_beside_each_run() -> None:
     assert rows[0]["loss"] is None
 
 
-def test_client_time_is_read_against_the_bare_run_of_its_configuration() -> None:
+def test_runs_are_read_against_the_floors_of_their_configuration() -> None:
     rows = [
-        {"engine": "idle", "client_us_per_cmd": 0.0},
-        {"engine": "bare", "client_us_per_cmd": 40.0},
-        {"engine": "client", "client_us_per_cmd": 60.0},
+        {"engine": "idle", "client_us_per_cmd": 0.0, "p99_steps": 0.0},
+        {"engine": "floor", "client_us_per_cmd": 30.0, "p99_steps": 3.0},
+        {"engine": "bare", "client_us_per_cmd": 40.0, "p99_steps": 4.0},
+        {"engine": "client", "client_us_per_cmd": 60.0, "p99_steps": 5.0},
     ]
     add_floor(rows)
-    assert rows[2]["client_vs_bare"] == 1.5
-    assert rows[0]["client_vs_bare"] is None and rows[1]["client_vs_bare"] is None
-    row = {**rows[2], "rate": 100.0, "missing": 0, "backlog_at_end": 0, "p50_steps": 1.0, "p99_steps": 2.0,
-           "loss": 0.0, "loss_time": 0.0}  # fmt: skip
-    assert "client: MISSED (60.0 us; 1.50x the bare ZeroMQ floor of this run)" in check_targets(row)
+    assert rows[3]["client_vs_bare"] == 1.5 and rows[3]["floor_p99_steps"] == 3.0
+    assert rows[2]["client_vs_bare"] is None and rows[2]["floor_p99_steps"] == 3.0
+    assert rows[1]["floor_p99_steps"] is None and rows[0]["client_vs_bare"] is None
+    row = {**rows[3], "rate": 100.0, "missing": 0, "backlog_at_end": 0, "p50_steps": 1.0, "loss": 0.0,
+           "loss_time": 0.0}  # fmt: skip
+    checks = check_targets(row)
+    assert "client: MISSED (60.0 us; 1.50x the bare ZeroMQ floor of this run)" in checks
+    assert "p99: MISSED (5 steps; the floor run's 3)" in checks
