@@ -15,7 +15,7 @@ from typing import Any
 from ..protocol import ErrorCode, MsgType, Outcome
 
 
-@dataclass
+@dataclass(slots=True)
 class Completion:
     req_id: int
     op: MsgType
@@ -51,11 +51,13 @@ class Completion:
         return f"{self.op.name.lower()} #{self.req_id} failed: {parts}"
 
 
-@dataclass
 class _Pending:
-    completion: Completion
-    deadline: float
-    waiting: set[int]  # ranks that have not reported
+    __slots__ = ("completion", "deadline", "waiting")
+
+    def __init__(self, completion: Completion, deadline: float, waiting: set[int]) -> None:
+        self.completion = completion
+        self.deadline = deadline
+        self.waiting = waiting  # ranks that have not reported
 
 
 class PendingTable:
@@ -75,9 +77,10 @@ class PendingTable:
 
     def add(self, req_id: int, op: MsgType, timeout_s: float, ranks: list[int] | None = None) -> None:
         now = time.monotonic()
-        completion = Completion(req_id, op, submitted=now)
-        self._pending[req_id] = _Pending(completion, now + timeout_s, set(self.ranks if ranks is None else ranks))
-        heapq.heappush(self._deadlines, (now + timeout_s, req_id))
+        deadline = now + timeout_s
+        completion = Completion(req_id, op, {}, now)
+        self._pending[req_id] = _Pending(completion, deadline, set(self.ranks if ranks is None else ranks))
+        heapq.heappush(self._deadlines, (deadline, req_id))
 
     def record(self, outcome: Outcome) -> Completion | None:
         """Files one rank's outcome; returns the Completion when it was the last one."""
