@@ -27,12 +27,12 @@ import zmq
 
 from ..protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR, Hello, MsgType, encode_body, encode_command
 from .bare_loop import start_bare_loop
-from .completion_engines import ClientTime, processes_cpu_s, swap_command
+from .completion_engines import ClientTime, OriginEngine, swap_command
 
 _decode = msgspec.msgpack.Decoder().decode
 
 
-class BareZmqEngine:
+class BareZmqEngine(OriginEngine):
     """``endpoints``: daemons (said hello to), or None with ``ranks`` bare loops started here."""
 
     def __init__(self, endpoints: list[str] | None, daemon_pids: list[int], ranks: int = 0) -> None:
@@ -46,17 +46,14 @@ class BareZmqEngine:
             endpoints = [f"ipc://{Path(self._dir.name) / f'loop{rank}.sock'}" for rank in range(ranks)]
             self.loops = [start_bare_loop(endpoint, events) for endpoint in endpoints]
             daemon_pids = [loop.pid for loop in self.loops]
-        self.daemon_pids = daemon_pids
+        super().__init__(daemon_pids)
         self.dealers = [self._dealer(endpoint) for endpoint in endpoints]
         if self.loops:
             self.boot_ids = ["bare"] * len(endpoints)
         else:
             self.boot_ids = [self._hello(sock, events, i) for i, sock in enumerate(self.dealers)]
-        self.origins: dict[int, float] = {}  # req_id -> submit time
         self.reports: dict[int, int] = {}  # req_id -> ranks that reported it
-        self.sent = 0  # commands of the measured run
         self._req_id = 0
-        self.client_time = ClientTime()
 
     def _dealer(self, endpoint: str) -> zmq.Socket[Any]:
         sock: zmq.Socket[Any] = self.ctx.socket(zmq.DEALER)
@@ -84,9 +81,6 @@ class BareZmqEngine:
             self.pull.poll(100)
             self.collect()
         self.sent, self.client_time = 0, ClientTime()
-
-    def begin(self) -> None:
-        pass
 
     def submit(self, count: int) -> None:
         started = self.client_time.start()
@@ -125,16 +119,6 @@ class BareZmqEngine:
                     seen.append((origin, code == 0))
         self.client_time.stop("poll", started)
         return seen
-
-    @property
-    def expected(self) -> int:
-        return self.sent
-
-    def settled(self) -> bool:
-        return not self.origins
-
-    def peer_cpu_s(self) -> float:
-        return processes_cpu_s(self.daemon_pids)
 
     def close(self) -> None:
         for sock in (*self.dealers, self.pull):

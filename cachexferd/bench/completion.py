@@ -151,14 +151,7 @@ def run_bare(daemons: Daemons, rate: float, args: argparse.Namespace, work: Call
         engine = BareZmqEngine(None, [], ranks=len(daemons.endpoints))
     else:
         engine = BareZmqEngine(daemons.endpoints, daemons.pids)
-    try:
-        engine.warm_up(WARM_UP)
-        log = StepLog()
-        for _ in steps(engine, work, rate, args.duration, args.drain, log):
-            pass
-    finally:
-        engine.close()
-    return log, engine
+    return _run_then_close(engine, rate, args, work, functools.partial(engine.warm_up, WARM_UP))
 
 
 def run_async(daemons: Daemons, rate: float, args: argparse.Namespace, work: Callable[[], Any]) -> RunResult:
@@ -182,8 +175,15 @@ def run_async(daemons: Daemons, rate: float, args: argparse.Namespace, work: Cal
 def run_queue(daemons: Daemons, rate: float, args: argparse.Namespace, work: Callable[[], Any]) -> RunResult:
     from .polled_queue import PolledQueueEngine
 
-    engine = PolledQueueEngine(rate, args.duration)
+    return _run_then_close(PolledQueueEngine(rate, args.duration), rate, args, work)
+
+
+def _run_then_close(engine: Any, rate: float, args: argparse.Namespace, work: Callable[[], Any],
+                    prepare: Callable[[], None] | None = None) -> RunResult:  # fmt: skip
+    """Runs the scheduler against an engine that holds processes or sockets of its own."""
     try:
+        if prepare is not None:
+            prepare()
         log = StepLog()
         for _ in steps(engine, work, rate, args.duration, args.drain, log):
             pass

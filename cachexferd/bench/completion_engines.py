@@ -124,18 +124,36 @@ def swap_command(i: int) -> tuple[MsgType, dict[str, list[int]]]:
     return (MsgType.SWAP_OUT if i % 2 == 0 else MsgType.SWAP_IN), {"device_ids": [block], "host_ids": [block]}
 
 
-class ClientEngine:
-    """EngineClient: submits swaps, ``poll()`` once per step boundary. ``batched``: the
-    swaps of one step go out together (``with client.batch():``, one BATCH per rank)."""
+class OriginEngine:
+    """An engine that notes each command's submit time until its completion is seen."""
 
-    def __init__(self, client: Any, daemon_pids: list[int], batched: bool = False) -> None:
-        self.client, self.daemon_pids, self.batched = client, daemon_pids, batched
+    def __init__(self, daemon_pids: list[int]) -> None:
+        self.daemon_pids = daemon_pids
         self.origins: dict[int, float] = {}  # req_id -> submit time
         self.sent = 0
         self.client_time = ClientTime()
 
     def begin(self) -> None:
         pass
+
+    @property
+    def expected(self) -> int:
+        return self.sent
+
+    def settled(self) -> bool:
+        return not self.origins
+
+    def peer_cpu_s(self) -> float:
+        return processes_cpu_s(self.daemon_pids)
+
+
+class ClientEngine(OriginEngine):
+    """EngineClient: submits swaps, ``poll()`` once per step boundary. ``batched``: the
+    swaps of one step go out together (``with client.batch():``, one BATCH per rank)."""
+
+    def __init__(self, client: Any, daemon_pids: list[int], batched: bool = False) -> None:
+        super().__init__(daemon_pids)
+        self.client, self.batched = client, batched
 
     def submit(self, count: int) -> None:
         started = self.client_time.start()
@@ -153,16 +171,6 @@ class ClientEngine:
         done = self.client.poll()
         self.client_time.stop("poll", started)
         return [(self.origins.pop(c.req_id), c.ok) for c in done if c.req_id in self.origins]
-
-    @property
-    def expected(self) -> int:
-        return self.sent
-
-    def settled(self) -> bool:
-        return not self.origins
-
-    def peer_cpu_s(self) -> float:
-        return processes_cpu_s(self.daemon_pids)
 
 
 class AsyncClientEngine(ClientEngine):
