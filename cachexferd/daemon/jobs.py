@@ -8,12 +8,11 @@ dependency is ready at once; the others become ready when the ordering releases 
 wait for. Nothing waits in a task of its own.
 
 Ready jobs are started once per turn (``turn.Turn``: at the end of the loop callback that
-made them ready): every ready copy of one direction goes to
-the copy backend as one batch (one hand-off to the copy workers for the lot, not one per
-command; a batch of a few small blocks is copied on the spot, see DeviceCache.inline_bytes),
-every other job runs as a task. Each job ends in ``_complete`` (a batch of copies in
-``_copies_done``), which decides its outcome exactly once, releases its blocks and starts
-whatever that made ready.
+made them ready): every ready copy of one direction goes to the copy backend as one batch
+(one hand-off to the copy workers for the lot, not one per command; a batch of a few small
+blocks is copied on the spot, see DeviceCache.inline_bytes), every other job runs as a task.
+Each job ends in ``_complete`` (a batch of copies in ``_copies_done``), which decides its
+outcome exactly once, releases its blocks and starts whatever that made ready.
 """
 
 from __future__ import annotations
