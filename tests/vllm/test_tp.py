@@ -97,6 +97,7 @@ def returning_prompts_come_back(server: VllmServer, reference: list[list[int]], 
     """Greedy tokens are vLLM's own, every time. A returning prompt comes back cached unless
     the plug-in logged, since the prompt was first sent, that a daemon was out of reach;
     the rounds (fresh prompts each) go on until one prompt has come back cached."""
+    first = len(server.log_text())
     for indices in rounds:
         start = len(server.log_text())
         for i in indices:
@@ -113,7 +114,9 @@ def returning_prompts_come_back(server: VllmServer, reference: list[list[int]], 
             hits += cached > 0
         if hits:
             return
-    raise AssertionError(f"no returning prompt came back cached in {len(rounds)} rounds (each miss was a stall)")
+    stalls = [line for line in server.log_text()[first:].splitlines() if any(t in line for t in TRANSIENT)]
+    shown = "\n".join(stalls[:20])
+    raise AssertionError(f"no returning prompt came back cached in {len(rounds)} rounds (each miss a stall):\n{shown}")
 
 
 def test_two_workers_two_daemons_match_vllm_and_hit(
