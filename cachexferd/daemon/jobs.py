@@ -7,7 +7,8 @@ synchronously, in arrival order, so arrival order is the order. A job with no un
 dependency is ready at once; the others become ready when the ordering releases what they
 wait for. Nothing waits in a task of its own.
 
-Ready jobs are started once per loop iteration: every ready copy of one direction goes to
+Ready jobs are started once per turn (``turn.Turn``: at the end of the loop callback that
+made them ready): every ready copy of one direction goes to
 the copy backend as one batch (one hand-off to the copy workers for the lot, not one per
 command; a batch of a few small blocks is copied on the spot, see DeviceCache.inline_bytes),
 every other job runs as a task. Each job ends in ``_complete`` (a batch of copies in
@@ -27,6 +28,7 @@ from ..backends.base import CancelToken, DeviceCache, Direction, SwapRequest
 from ..protocol import ErrorCode, ProtocolError
 from .ordering import Access, BlockOrdering, Entry
 from .request import Request
+from .turn import Turn
 
 if TYPE_CHECKING:
     from ..metrics import DaemonMetrics
@@ -68,8 +70,10 @@ class Job(NamedTuple):
 
 
 class Jobs:
-    def __init__(self, ordering: BlockOrdering, metrics: DaemonMetrics, complete: Complete) -> None:
+    def __init__(self, ordering: BlockOrdering, metrics: DaemonMetrics, complete: Complete,
+                 turn: Turn | None = None) -> None:  # fmt: skip
         self.ordering = ordering
+        self.turn = turn or Turn()
         self.metrics = metrics
         self._complete_cb = complete  # the entries' payloads are Requests; this sends their outcomes
         self._complete_many: CompleteMany = self._each
@@ -104,7 +108,7 @@ class Jobs:
         self._ready.extend(entries)
         if not self._scheduled:
             self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._start_ready)
+            self.turn.defer(self._start_ready)
 
     def _start_ready(self) -> None:
         self._scheduled = False

@@ -4,22 +4,22 @@ Routing: the outcome of an asynchronous command from a client with an event chan
 out as an EVENT on that channel; everything else (synchronous commands, commands that could
 not be decoded or admitted before a session existed, and every DUPLICATE_REQ_ID refusal) is
 a REPLY on the command socket. Clients that asked for batched events in their hello get the
-events of one loop iteration in one EVENT_BATCH message per event endpoint.
+events of one turn (``turn.Turn``) in one EVENT_BATCH message per event endpoint.
 
 Accounting is per flush as well: each outcome only notes its op, code and arrival time;
-the flush (once per loop iteration with outcomes) adds them to the command counter and the
+the flush (once per turn with outcomes) adds them to the command counter and the
 latency histogram in one call per (op, code).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..protocol import ASYNC_TYPES, ErrorCode, Limits, MsgType, encode_event_batch, encode_outcome_fields
+from .turn import Turn
 
 if TYPE_CHECKING:
     from ..metrics import DaemonMetrics
@@ -41,9 +41,11 @@ def code_name(code: int) -> str:
 
 class Outcomes:
     def __init__(
-        self, boot_id: str, rank: int, metrics: DaemonMetrics, sessions: Sessions, sinks: EventSinks, reply: Reply
-    ) -> None:
+        self, boot_id: str, rank: int, metrics: DaemonMetrics, sessions: Sessions, sinks: EventSinks, reply: Reply,
+        turn: Turn | None = None,
+    ) -> None:  # fmt: skip
         self.boot_id, self.rank = boot_id, rank
+        self.turn = turn or Turn()
         self.metrics, self.sessions, self.sinks, self._reply = metrics, sessions, sinks, reply
         self._pending: dict[str, list[list[Any]]] = {}  # event endpoint -> compact outcomes to batch
         self._scheduled = False
@@ -90,7 +92,7 @@ class Outcomes:
     def _schedule(self) -> None:
         if not self._scheduled:
             self._scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
+            self.turn.defer(self.flush)
 
     def flush(self) -> None:
         """Sends the batched events (one EVENT_BATCH per endpoint, split at MAX_BATCH) and

@@ -50,6 +50,7 @@ from .pausing import Pausing
 from .request import Request
 from .sessions import EventSinks, Sessions
 from .storage_tier import open_storage
+from .turn import Turn
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,9 @@ class Daemon:
         event_keys = load_server_keys(config.access.curve_secret_key) if curve_enabled(config.access) else None
         self.sinks = EventSinks(self.ctx, allow_abstract=config.access.abstract_ipc, curve=event_keys)
         self.sessions = Sessions(self.sinks)
-        self.outcomes = Outcomes(self.boot_id, self.rank, self.metrics, self.sessions, self.sinks, self._reply)
+        self.turn = Turn()  # read, start of the ready copies and outcomes' flush in one loop callback
+        self.outcomes = Outcomes(self.boot_id, self.rank, self.metrics, self.sessions, self.sinks, self._reply,
+                                 self.turn)  # fmt: skip
         self.device = DeviceSlot(self.backend, self.host, self.ordering, self.metrics, config.daemon, self.spawn)
         self.pausing = Pausing(self.ordering)
         handlers = Handlers(
@@ -138,7 +141,7 @@ class Daemon:
             self.pausing,
         )  # fmt: skip
         handlers.sync[MsgType.ATTACH] = self.access.guard_attach(handlers.handle_attach)
-        self.jobs = Jobs(self.ordering, self.metrics, self._job_done)
+        self.jobs = Jobs(self.ordering, self.metrics, self._job_done, self.turn)
         self.dispatcher = Dispatcher(
             handlers, self.jobs, self.outcomes, self.sessions, config.daemon.max_inflight, self._admit, self.spawn
         )
@@ -169,7 +172,7 @@ class Daemon:
                 self.storage.start()
             _tune_gc()
             loop = asyncio.get_running_loop()
-            loop.add_reader(self.router.fileno(), self._schedule_read)
+            loop.add_reader(self.router.fileno(), self._read_turn)
         except BaseException:
             self._undo_start(created)
             raise
@@ -334,13 +337,19 @@ class Daemon:
     def _schedule_read(self) -> None:
         if not self._reading:
             self._reading = True
-            asyncio.get_running_loop().call_soon(self._read_batch)
+            asyncio.get_running_loop().call_soon(self._read_turn)
+
+    def _read_turn(self) -> None:
+        """A read of the command socket, and the work it causes, in one loop callback."""
+        self.turn.run(self._read_batch)
 
     def _read_batch(self) -> None:
         """Reads at most _RECEIVE_BATCH messages, then lets the loop run everything else.
 
-        ZeroMQ's descriptor is edge-triggered: after reading (or sending) on the socket,
-        zmq.EVENTS says whether more is queued; if so, another read is scheduled."""
+        ZeroMQ's descriptor is edge-triggered. A read that fails with zmq.Again has taken in
+        every notice libzmq had for the socket, so the next message turns the descriptor
+        readable again: no zmq.EVENTS check is needed then (each costs a system call). Only
+        a batch cut short schedules another read."""
         self._reading = False
         router = self.router
         if router is None or router.closed:
@@ -350,7 +359,7 @@ class Daemon:
             try:  # the first frame (the identity) as a Frame: its metadata names the peer
                 first = recv(_NOBLOCK, copy=False)
             except zmq.Again:
-                break
+                return
             frames: list[bytes] = []
             if first.more:  # the parts of a message arrive together: none of these reads waits
                 frames.append(recv(_NOBLOCK))
@@ -362,7 +371,7 @@ class Daemon:
                 on_frames(identity, frames, now)
             except Exception:  # never let one message stop the daemon
                 log.exception("unhandled error dispatching a message")
-        self._check_readable()
+        self._schedule_read()  # more may be queued: the loop runs everything else first
 
     def _check_readable(self) -> None:
         router = self.router
