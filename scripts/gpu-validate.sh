@@ -4,7 +4,8 @@
 #   scripts/gpu-validate.sh [--wheels DIR] [--out DIR] [--anchors DIR] [--steps "tests bench ..."]
 #   scripts/gpu-validate.sh --fetch-wheels DIR     # on a machine with PyPI: the wheels a bare GPU image lacks
 #
-# Steps (default: all, about 8 minutes; each under its own time limit; STEPS or --steps picks some):
+# Steps (default: all, about 8 minutes; each under its own time limit; STEPS or --steps picks some;
+# PYTEST_WORKERS, default 4, runs the GPU tests in parallel where pytest-xdist is installed):
 #   tests    pytest -m cuda on every test file with GPU tests (exactness of every copy method,
 #            IPC through daemons, the vLLM layouts' CUDA attach), then the CPU tests of the cuda
 #            backend's logic (plans, method rule, handles, pool, import guard)
@@ -111,7 +112,16 @@ step() {  # step NAME LIMIT_S LOG COMMAND...
 }
 
 mapfile -t GPU_TESTS < <(grep -rl --include='test_*.py' -e 'pytest.mark.cuda' tests)
-step tests 330 "$OUT/pytest-cuda.log" "$PY" -m pytest -p no:cacheprovider -v -rs --timeout 240 -m cuda "${GPU_TESTS[@]}"
+# The GPU tests start many CUDA daemons; with pytest-xdist they run PYTEST_WORKERS at a time,
+# except those marked "alone" (they read the GPU's device-wide free memory), run afterwards.
+XDIST=()
+if "$PY" -c "import xdist" 2>/dev/null && [ "${PYTEST_WORKERS:-4}" -gt 1 ]; then
+  XDIST=(-n "${PYTEST_WORKERS:-4}")
+fi
+step tests 330 "$OUT/pytest-cuda.log" "$PY" -m pytest -p no:cacheprovider -v -rs --timeout 240 "${XDIST[@]}" \
+  -m "cuda and not alone" "${GPU_TESTS[@]}"
+step tests 150 "$OUT/pytest-cuda.log" "$PY" -m pytest -p no:cacheprovider -v -rs --timeout 120 -m "cuda and alone" \
+  "${GPU_TESTS[@]}"
 step tests 90 "$OUT/pytest-cuda.log" "$PY" -m pytest -p no:cacheprovider -q tests/unit/test_cuda_ipc_encoding.py \
   tests/unit/test_cuda_pool_logic.py tests/unit/test_cuda_copy_plan.py tests/unit/test_import_guard.py \
   tests/unit/test_cuda_kernel.py tests/unit/test_vllm_cuda_layouts.py
@@ -128,7 +138,7 @@ step pin 100 "$OUT/probes.log" "$PY" scripts/pin_probe.py --capacity "$PIN_CAPAC
   --out "$OUT/pin_probe.json"
 
 {
-  grep -E "^(=+ )?[0-9]+ (passed|failed)|passed|failed|error" "$OUT/pytest-cuda.log" 2>/dev/null | tail -3
+  grep -E "(passed|failed|error|skipped|deselected).* in [0-9.]+s" "$OUT/pytest-cuda.log" 2>/dev/null
   "$PY" scripts/gpu_summary.py "$OUT"
 } >>"$SUMMARY" 2>&1
 cat "$SUMMARY"

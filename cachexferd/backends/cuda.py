@@ -44,21 +44,23 @@ from .cuda_copy import (
     MethodRule,
     StagingBatch,
     SwapShape,
+    available,
     batches,
+    calls_for_lengths,
     choose_method,
-    dma_calls,
-    dma_rows,
     iter_dma,
     plan_staging,
+    rows_for_lengths,
+    run_lengths,
     split_runs,
 )
 from .cuda_ipc import ImportWatch, TorchStorageOps, decode_handles, import_handles, resolve_device, visible_uuids
 from .cuda_kernel import Grid, PieceMover
 from .cuda_pieces import PieceGeometry, split_pairs
 from .cuda_pool import CudartRegistrar, PinnedHostPool, pci_numa_node
-from .cuda_runtime import EventWaiter, Memcpy, load_memcpy
+from .cuda_runtime import EventWaiter, Memcpy, load_memcpy, settle_threadsafe
 from .cuda_stage import DeviceTensor, Stager, from_tensors
-from .plan import Run, coalesce
+from .plan import coalesce
 
 if TYPE_CHECKING:
     from ..config import Config, CudaConfig
@@ -134,7 +136,7 @@ class CudaDeviceCache(DeviceCache):
         self.pin_boundary = pool.pinner.spans[0][1] if isinstance(pool, PinnedHostPool) else 0
         self.methods: dict[str, int] = {"dma": 0, "staging": 0, "kernel": 0}  # swaps by method, for describe()
         self.lanes = backend.lanes  # created here, off the event loop (attach runs in an executor)
-        self._inflight = {d: 0 for d in Direction}  # swaps per direction: the auto rule asks if the other is busy
+        self._inflight = {d: 0 for d in Direction}  # swaps per direction (close() waits for them)
         self._inflight_lock = threading.Lock()
 
     def _mover(self, backend: CudaBackend, layout: KVLayout, pool: HostPool) -> PieceMover | None:
@@ -169,21 +171,44 @@ class CudaDeviceCache(DeviceCache):
             await self.pool.wait_ready_async(end)  # documented choice: wait for pinning
         cancel.check()
         lane = self.lanes[direction]
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
         self._track(direction, +1)
         try:
-            issued = await asyncio.get_running_loop().run_in_executor(
-                lane.issuer, self._issue, lane, direction is Direction.D2H, device_ids, host_ids, cancel
-            )
-        except BaseException:
+            lane.issuer.submit(self._issue_then_wait, lane, direction, device_ids, host_ids, cancel, loop, done)
+        except BaseException:  # the lane was closed
             self._track(direction, -1)
             raise
-        if issued.event is None:
-            self._track(direction, -1)
-        else:
-            await lane.waiter.wait(issued.event, partial(self._track, direction, -1))
-        if issued.error is not None:
-            raise issued.error
+        await done
         return len(device_ids) * self.layout.host_block_bytes
+
+    def _issue_then_wait(
+        self,
+        lane: Lane,
+        direction: Direction,
+        device_ids: Sequence[int],
+        host_ids: Sequence[int],
+        cancel: CancelToken,
+        loop: asyncio.AbstractEventLoop,
+        done: asyncio.Future[None],
+    ) -> None:
+        """On the issuer thread: enqueue the swap, then hand its event straight to the
+        lane's waiter (no trip through the event loop in between: a small swap's latency is
+        mostly such hand-offs). ``done`` is settled once the GPU finished, with the error
+        that stopped the swap, if any, and the swap leaves the in-flight count first."""
+        try:
+            issued = self._issue(lane, direction is Direction.D2H, device_ids, host_ids, cancel)
+        except BaseException as exc:  # _issue catches what issuing raises; this is a bug
+            issued = Issued(None, exc)
+
+        def finish(error: BaseException | None) -> None:
+            self._track(direction, -1)
+            settle_threadsafe(loop, done, issued.error or error)
+
+        if issued.event is None:
+            finish(None)
+        else:
+            lane.waiter.submit(issued.event, finish)
 
     def _track(self, direction: Direction, delta: int) -> None:
         with self._inflight_lock:
@@ -208,6 +233,8 @@ class CudaDeviceCache(DeviceCache):
             error = exc
         if not pending:
             return Issued(None, error)
+        if error is None:  # the last step's event already follows everything enqueued
+            return Issued(pending[-1], None)
         try:
             return Issued(lane.record(), error)
         except Exception as exc:  # the context is broken; wait here so nothing stays in flight
@@ -218,10 +245,10 @@ class CudaDeviceCache(DeviceCache):
         self, lane: Lane, to_host: bool, device_ids: Sequence[int], host_ids: Sequence[int]
     ) -> Iterator[Callable[[], None]]:
         hb, cfg = self.layout.host_block_bytes, self.backend.config
-        runs = split_runs(coalesce(device_ids, host_ids), hb, self.pin_boundary)
-        method = self.method_for(to_host, runs, len(device_ids) * hb)
+        method = self.method_for(device_ids, host_ids)
         self.methods[method] += 1
         if method == "dma" and lane.memcpy is not None:
+            runs = split_runs(coalesce(device_ids, host_ids), hb, self.pin_boundary)
             for batch in batches(iter_dma(to_host, runs, self.geometry), cfg.batch_bytes):
                 yield partial(_enqueue_copies, lane.memcpy, batch, lane.handle)
             return
@@ -236,16 +263,19 @@ class CudaDeviceCache(DeviceCache):
         for staged in plan_staging(device_ids, host_ids, max(1, cfg.batch_bytes // hb), hb, self.pin_boundary):
             yield partial(move, staged)
 
-    def method_for(self, to_host: bool, runs: Sequence[Run], total_bytes: int) -> str:
-        """The copy method for one swap (cuda_copy.choose_method with this cache's shape)."""
+    def method_for(self, device_ids: Sequence[int], host_ids: Sequence[int]) -> str:
+        """The copy method for one swap (cuda_copy.choose_method with this cache's shape).
+        The shape is worked out only for ``auto``, from the runs' lengths (numpy): planning a
+        swap of a thousand scattered blocks must cost far less than moving it."""
         cfg = self.backend.config
-        other = Direction.H2D if to_host else Direction.D2H
+        if cfg.copy_method != "auto":
+            return available(cfg.copy_method, self.engines)
         dma = self.engines.dma
+        lengths = run_lengths(device_ids, host_ids) if dma else None
         shape = SwapShape(
-            total_bytes=total_bytes,
-            dma_calls=dma_calls(runs, self.geometry) if dma else 0,
-            dma_rows=dma_rows(runs, self.geometry) if dma else 0,
-            other_busy=self._inflight[other] > 0,
+            total_bytes=len(device_ids) * self.layout.host_block_bytes,
+            dma_calls=calls_for_lengths(lengths, self.geometry) if lengths is not None else 0,
+            dma_rows=rows_for_lengths(lengths, self.geometry) if lengths is not None else 0,
         )
         return choose_method(cfg.copy_method, shape, self.engines, self.backend.rule)
 

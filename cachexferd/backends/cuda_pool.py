@@ -140,6 +140,8 @@ class ChunkPinner:
         self._advance(offset, self.capacity)
 
     def _advance(self, pinned: int, ready: int) -> None:
+        if self.on_progress is not None:  # first: a woken waiter must see the pool's new figures
+            self.on_progress(ready, pinned)
         with self._state:
             self.pinned_bytes, self.ready_bytes = pinned, ready
             due = [w for w in self._waiters if w.end <= ready]
@@ -147,8 +149,6 @@ class ChunkPinner:
             self._changed.notify_all()
         for waiter in due:
             _call_soon(waiter, None)
-        if self.on_progress is not None:
-            self.on_progress(ready, pinned)
 
     def wait_ready(self, end: int, timeout_s: float) -> bool:
         """Blocks until ``end`` bytes are usable; False on timeout or when pinning stopped short."""

@@ -210,11 +210,15 @@ class EventWaiter:
         def finish(error: BaseException | None) -> None:
             if on_done is not None:
                 on_done()
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-                loop.call_soon_threadsafe(settle, future, error)
+            settle_threadsafe(loop, future, error)
 
-        self._queue.put((event, finish))
+        self.submit(event, finish)
         return future
+
+    def submit(self, event: Waitable, finish: Callable[[BaseException | None], None]) -> None:
+        """Calls ``finish`` on the waiter thread once ``event`` completed (or failed); any
+        thread may submit."""
+        self._queue.put((event, finish))
 
     def _run(self) -> None:
         while True:
@@ -232,6 +236,14 @@ class EventWaiter:
     def close(self, timeout_s: float = 30.0) -> None:
         self._queue.put(None)
         self._thread.join(timeout_s)
+
+
+def settle_threadsafe(
+    loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], error: BaseException | None
+) -> None:
+    """settle() on the loop's thread, from any thread."""
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+        loop.call_soon_threadsafe(settle, future, error)
 
 
 def settle(future: asyncio.Future[None], error: BaseException | None) -> None:

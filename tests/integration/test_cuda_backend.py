@@ -258,6 +258,7 @@ def _free_everything() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_thousand_attach_detach_cycles_leak_nothing(spawn_daemon: Spawn, engine_factory: Any) -> None:
     daemon = cuda_daemon(spawn_daemon, cuda__copy_method="dma")
     engine = engine_factory(daemon.endpoint)

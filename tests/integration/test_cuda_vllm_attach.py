@@ -53,18 +53,20 @@ def _block(cache: Any, layer: int, block: int, shape: VllmShape) -> tuple[torch.
 
 
 @pytest.mark.parametrize("method", ["auto", "dma"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("shape_name", sorted(SHAPES))
 def test_vllm_cuda_cache_round_trip_through_a_daemon(
-    spawn_daemon: Callable[..., DaemonProcess], engine_for: Any, shape_name: str, method: str
+    spawn_daemon: Callable[..., DaemonProcess], engine_for: Any, shape_name: str, layout: str, method: str
 ) -> None:
-    """One daemon; each of vLLM's layouts attached, swapped out and in, detached in turn."""
+    """A daemon per layout (its host cache keeps the first layout it serves, as with one
+    model per daemon): attached, swapped out and in, detached, and attached again."""
     shape = SHAPES[shape_name]
     settings = {"daemon.backend": "cuda", "host_cache.capacity": "64MiB", "cuda.pin_chunk": "8MiB",
                 "cuda.copy_method": method}  # fmt: skip
     daemon = spawn_daemon(settings=settings)
     engine = engine_for(daemon.endpoint)
     with RunnerClient(daemon.endpoint) as runner:
-        for layout in sorted(LAYOUTS):
+        for _ in range(2):  # a re-attach of the same layout (a restarted runner) is served too
             _round_trip(runner, engine, shape, layout)
 
 

@@ -8,6 +8,7 @@ import asyncio
 import ctypes
 import random
 import threading
+from collections import Counter
 from collections.abc import Sequence
 
 import pytest
@@ -27,6 +28,7 @@ from cachexferd.backends.cuda_copy import (
     element_size,
     plan_dma,
     plan_staging,
+    run_lengths,
     split_runs,
 )
 from cachexferd.backends.cuda_runtime import EventWaiter
@@ -199,16 +201,15 @@ BOTH = Engines(dma=True, kernel=True)
 RULE = MethodRule(dma_min_bytes=256 * KIB, staging_below=64 * KIB)
 
 
-def shape(total: int, calls: int, rows: int, other_busy: bool = False) -> SwapShape:
-    return SwapShape(total_bytes=total, dma_calls=calls, dma_rows=rows, other_busy=other_busy)
+def shape(total: int, calls: int, rows: int) -> SwapShape:
+    return SwapShape(total_bytes=total, dma_calls=calls, dma_rows=rows)
 
 
-def test_auto_takes_dma_for_long_rows_the_kernel_for_small_pieces_and_staging_beside_the_other_direction() -> None:
+def test_auto_takes_dma_for_long_rows_and_the_kernel_for_small_pieces() -> None:
     big_rows = shape(64 << 20, 64, 64)  # 1 MiB rows: a vLLM packed block, or long contiguous runs
     small_rows = shape(128 * 256 * KIB, 128, 128 * 64)  # 4 KiB pieces, 128 scattered blocks
     assert choose_method("auto", big_rows, BOTH, RULE) == "dma"
     assert choose_method("auto", small_rows, BOTH, RULE) == "kernel"
-    assert choose_method("auto", shape(128 * 256 * KIB, 128, 128 * 64, other_busy=True), BOTH, RULE) == "staging"
     # The threshold is on the average row, whatever the number of calls.
     assert choose_method("auto", shape(256 * KIB * 10, 1, 10), BOTH, RULE) == "dma"
     assert choose_method("auto", shape(256 * KIB * 10 - 1, 1, 10), BOTH, RULE) == "kernel"
@@ -359,3 +360,12 @@ def test_event_waiter_runs_on_done_even_if_the_caller_gave_up() -> None:
         assert finished.wait(5), "in-flight accounting must not depend on the awaiting task"
     finally:
         waiter.close()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_run_lengths_are_the_lengths_of_coalesced_runs(seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.choice([0, 1, 2, rng.randrange(3, 256), rng.randrange(256, 2000)])  # both ways of counting
+    device = [rng.choice([i, i, rng.randrange(10_000)]) for i in range(n)]  # runs and jumps, repeats too
+    host = [rng.choice([i, i, rng.randrange(10_000)]) for i in range(n)]
+    assert run_lengths(device, host) == Counter(r.length for r in coalesce(device, host))

@@ -287,3 +287,28 @@ def test_daemon_answers_at_once_and_reports_pinning_progress(short_tmp: Path) ->
             box["loop"].call_soon_threadsafe(box["daemon"].request_stop, "test teardown")
         thread.join(30)
     assert not thread.is_alive()
+
+
+def test_a_woken_waiter_sees_the_pools_new_figures() -> None:
+    """A swap that waited for pinning may read the pool's figures at once (status, tests):
+    they are updated before any waiter is woken, however slowly the update runs."""
+
+    class SlowProgressPool(PinnedHostPool):
+        def _on_progress(self, ready: int, pinned: int) -> None:
+            time.sleep(0.05)  # the pinning thread is descheduled here
+            super()._on_progress(ready, pinned)
+
+    reg = SteppedRegistrar()
+    pool = SlowProgressPool(2 * MIB, reg, MIB)
+    try:
+
+        async def wait_then_read() -> int:
+            waiting = asyncio.ensure_future(pool.wait_ready_async(2 * MIB))
+            await asyncio.sleep(0.01)
+            reg.step(2)
+            await asyncio.wait_for(waiting, 5)
+            return pool.ready_bytes
+
+        assert asyncio.run(wait_then_read()) == 2 * MIB
+    finally:
+        pool.close()
