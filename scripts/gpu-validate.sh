@@ -10,7 +10,8 @@
 #            IPC through daemons, the vLLM layouts' CUDA attach), then the CPU tests of the cuda
 #            backend's logic (plans, method rule, handles, pool, import guard)
 #   bench    cachexferd bench swap --backend cuda --preset vllm (pieces 4/16/32 KiB, 1..1024
-#            scattered blocks, d2h/h2d/both, every copy method; raw references warmed)
+#            scattered blocks, d2h/h2d/both, every copy method; raw references warmed), then
+#            4 swaps in flight per direction (1..128 blocks, kernel and dma)
 #   anchors  the reference scripts (anchor_kernel.py, anchor_gather.py, anchor_duplex.py) from
 #            --anchors (default ../shared/gpu/h100-2026-11-25 or shared/gpu/h100-2026-11-25),
 #            run beside the bench in the same session; skipped when absent
@@ -127,6 +128,8 @@ step tests 90 "$OUT/pytest-cuda.log" "$PY" -m pytest -p no:cacheprovider -q test
   tests/unit/test_cuda_kernel.py tests/unit/test_vllm_cuda_layouts.py
 step bench 220 "$OUT/bench.log" "$PY" -m cachexferd bench swap --backend cuda --preset vllm --min-time 0.1 \
   --json "$OUT/bench/swap.json"
+step bench 120 "$OUT/bench.log" "$PY" -m cachexferd bench swap --backend cuda --preset vllm --counts 1,16,128 \
+  --in-flight 4 --methods kernel,dma --min-time 0.1 --json "$OUT/bench/swap-inflight.json"
 if [ -n "$ANCHORS" ]; then
   for anchor in anchor_kernel anchor_gather anchor_duplex; do
     [ -f "$ANCHORS/$anchor.py" ] || continue

@@ -72,6 +72,8 @@ def bench_table(out: Path) -> list[str]:
     methods = list(dict.fromkeys(r["method"] for r in data["rows"]))
     by_key: dict[tuple[int, int, str], dict[str, float]] = {}
     for r in data["rows"]:
+        if r.get("in_flight", 1) != 1:  # the targets and anchors are for one swap at a time
+            continue
         by_key.setdefault((r["piece_bytes"], r["blocks"], r["direction"]), {})[r["method"]] = r["ratio"]
     lines = [
         f"swap bench ({machine.get('device')}, torch {machine.get('torch')}, cuda {machine.get('cuda')}, "
@@ -115,9 +117,21 @@ def probes(out: Path) -> list[str]:
     return lines
 
 
+def in_flight_table(out: Path) -> list[str]:
+    path = out / "bench" / "swap-inflight.json"
+    if not path.exists():
+        return []
+    rows = json.loads(path.read_text())["rows"]
+    lines = ["swaps in flight at once (ratios to raw):"]
+    for r in rows:
+        piece, flight = r["piece_bytes"] >> 10, r.get("in_flight", 1)
+        lines.append(f"{piece:>4}Ki {r['blocks']:>5} {r['direction']:5} {r['method']:8} x{flight} {r['ratio']:>5.0%}")
+    return lines
+
+
 def main() -> int:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "gpu-validate-out")
-    print("\n".join(bench_table(out) + probes(out)))
+    print("\n".join(bench_table(out) + in_flight_table(out) + probes(out)))
     return 0
 
 

@@ -57,6 +57,7 @@ class Row:
     raw_gbps: float
     method: str = "-"  # cuda: the cuda.copy_method setting the swap ran with
     piece_bytes: int = 0  # one layer's K or V of one block
+    in_flight: int = 1  # swaps of `blocks` blocks each submitted at once (per direction)
 
     @property
     def ratio(self) -> float:
@@ -73,9 +74,15 @@ def add_swap_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--directions", default=None, help="d2h,h2d,both (default all)")
     p.add_argument("--methods", default=None, help="cuda copy methods to compare: auto,dma,staging,kernel")
     p.add_argument("--layers", type=int, default=None, help="layers (x2 tensors) a host block is split into (32)")
-    p.add_argument("--max-bytes", default="512MiB", help="skip cases moving more than this per swap")
+    p.add_argument(
+        "--max-bytes", default="512MiB", help="skip cases moving more than this (all swaps in flight together)"
+    )
     p.add_argument("--min-time", type=float, default=0.2, help="seconds to repeat each measurement for")
     p.add_argument("--threads", type=int, default=2, help="cpu copy workers per direction")
+    p.add_argument(
+        "--in-flight", type=int, default=1, metavar="N",
+        help="swaps submitted at once per direction, each of --counts blocks (default 1: one at a time)",
+    )  # fmt: skip
     p.add_argument("--json", help="write the rows (and machine info) to this file")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
@@ -151,10 +158,12 @@ class SwapHarness:
         from . import harness
 
         self.args = args
-        self.layout = layout_for(block_bytes, args.layers, 2 * count)
-        self.bytes = block_bytes * count
+        self.in_flight = max(1, args.in_flight)
+        blocks = count * self.in_flight  # every swap in flight has blocks of its own
+        self.layout = layout_for(block_bytes, args.layers, 2 * blocks)
+        self.bytes = block_bytes * blocks
         self.loop = asyncio.new_event_loop()
-        self.kit = harness.make(args.backend, self.layout, count, args.threads)
+        self.kit = harness.make(args.backend, self.layout, blocks, args.threads)
 
     def run(self, coro_fn: Callable[[], Awaitable[Any]]) -> None:
         self.loop.run_until_complete(coro_fn())
@@ -167,27 +176,30 @@ class SwapHarness:
 def measure_case(
     h: SwapHarness, direction: str, pattern: str, count: int, rng: random.Random, method: str = "-"
 ) -> tuple[float, float]:
+    """GB/s of the swaps (``h.in_flight`` of ``count`` blocks at once, per direction) and of
+    one raw contiguous copy of the same bytes."""
     from ..backends.base import CancelToken, Direction
 
     if method != "-":
         h.kit.set_method(method)
-    dev, host = ids_for(pattern, count, rng)
+    dev, host = ids_for(pattern, count * h.in_flight, rng)
     token = CancelToken()
     swap = h.kit.device.swap
+    swaps = [(dev[i : i + count], host[i : i + count]) for i in range(0, len(dev), count)]
     if direction == "both":
-        # Out of the first half of the pairs, into the second half: disjoint blocks.
+        # Out of the first half of each swap's pairs, into the second half: disjoint blocks.
         half = max(1, count // 2)
-        out_pairs, in_pairs = (dev[:half], host[:half]), (dev[half:] or dev, host[half:] or host)
-        moved = (half + len(in_pairs[0])) * h.layout.host_block_bytes
-
-        async def work() -> None:
-            await asyncio.gather(swap(Direction.D2H, *out_pairs, token), swap(Direction.H2D, *in_pairs, token))
+        outs = [(d[:half], hs[:half]) for d, hs in swaps]
+        ins = [(d[half:] or d, hs[half:] or hs) for d, hs in swaps]
+        moved = sum(len(d) for d, _ in outs + ins) * h.layout.host_block_bytes
+        work_items = [(Direction.D2H, pairs) for pairs in outs] + [(Direction.H2D, pairs) for pairs in ins]
     else:
         moved = h.bytes
         d = Direction.D2H if direction == "d2h" else Direction.H2D
+        work_items = [(d, pairs) for pairs in swaps]
 
-        async def work() -> None:
-            await swap(d, dev, host, token)
+    async def work() -> None:
+        await asyncio.gather(*(swap(d, ids, hosts, token) for d, (ids, hosts) in work_items))
 
     swap_s, raw_s = best_times([lambda: h.run(work), lambda: h.kit.raw_copy(moved, direction)], h.args.min_time)
     return moved / swap_s / 1e9, moved / raw_s / 1e9
@@ -203,7 +215,7 @@ def cases(args: argparse.Namespace) -> Iterator[tuple[int, int]]:
     limit = parse_size(args.max_bytes)
     for size in block_sizes(args):
         for count in (int(c) for c in args.counts.split(",")):
-            if size * count <= limit:
+            if size * count * max(1, args.in_flight) <= limit:
                 yield size, count
 
 
@@ -225,7 +237,9 @@ def run(args: argparse.Namespace) -> int:
                     for method in methods:
                         swap_gbps, raw_gbps = measure_case(harness, direction, pattern, count, rng, method)
                         piece = harness.layout.chunk_bytes
-                        row = Row(direction, size, count, pattern, swap_gbps, raw_gbps, method, piece)
+                        row = Row(
+                            direction, size, count, pattern, swap_gbps, raw_gbps, method, piece, harness.in_flight
+                        )
                         rows.append(row)
                         print(format_row(row), flush=True)
         finally:
@@ -288,4 +302,5 @@ def header(args: argparse.Namespace) -> str:
     return (
         f"cachexferd bench swap: backend {info['backend']} on {info['device']} ({info['cpus']} cpus, load {load}); "
         f"host block = {args.layers} layers x 2 tensors; raw = one contiguous copy of the same bytes"
+        + (f"; {args.in_flight} swaps in flight per direction" if args.in_flight > 1 else "; one swap at a time")
     )

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from cachexferd.bench.swap import add_swap_args, apply_preset, block_sizes, cases, methods_for
+from cachexferd.bench.swap import (
+    SwapHarness,
+    add_swap_args,
+    apply_preset,
+    block_sizes,
+    cases,
+    measure_case,
+    methods_for,
+)
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -56,3 +64,42 @@ def test_vllm_shapes_run_on_the_cpu_backend(short_tmp: Path) -> None:
     assert all(r["swap_gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] > 0 for r in rows)
     assert "load_average" in data["machine"] and "torch" in data["machine"]
     assert "piece" in proc.stdout and "load" in proc.stdout
+
+
+@pytest.mark.parametrize("direction", ["d2h", "both"])
+def test_in_flight_submits_that_many_swaps_at_once_over_disjoint_blocks(direction: str) -> None:
+    import asyncio
+    import random
+
+    args = parse("--sizes", "64KiB", "--counts", "8", "--layers", "2", "--in-flight", "3", "--min-time", "0.01")
+    assert list(cases(args)) == [(64 << 10, 8)]
+    assert list(cases(parse("--sizes", "64KiB", "--counts", "8", "--in-flight", "3", "--max-bytes", "1MiB"))) == []
+    harness = SwapHarness(args, 64 << 10, 8)
+    calls: list[tuple[str, list[int], list[int]]] = []
+    in_flight = most = 0
+    real_swap = harness.kit.device.swap
+
+    async def counting_swap(d: object, ids: list[int], hosts: list[int], token: object) -> int:
+        nonlocal in_flight, most
+        calls.append((str(d), list(ids), list(hosts)))
+        in_flight += 1
+        most = max(most, in_flight)
+        await asyncio.sleep(0.001)  # let the others be submitted before this one ends
+        try:
+            moved: int = await real_swap(d, ids, hosts, token)  # type: ignore[arg-type]
+            return moved
+        finally:
+            in_flight -= 1
+
+    harness.kit.device.swap = counting_swap  # type: ignore[method-assign]
+    try:
+        swap_gbps, raw_gbps = measure_case(harness, direction, "scattered", 8, random.Random(1))
+    finally:
+        harness.close()
+    assert swap_gbps > 0 and raw_gbps > 0
+    per_round = 3 if direction == "d2h" else 6  # both: each swap's pairs split, half out and half in
+    assert len(calls) % per_round == 0 and most == per_round
+    first = calls[:per_round]
+    devices = [i for _, ids, _ in first for i in ids]
+    hosts = [h for _, _, hs in first for h in hs]
+    assert len(devices) == len(set(devices)) == 24 and len(hosts) == len(set(hosts)) == 24
