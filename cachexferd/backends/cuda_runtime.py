@@ -188,7 +188,8 @@ class Waitable(Protocol):
 
 
 class EventWaiter:
-    """A thread that waits for completion events in order and resolves asyncio futures.
+    """A thread that waits for completion events in order and calls each one's ``finish``
+    (a swap's: its in-flight accounting, then ``settle_threadsafe`` of its future).
 
     Events are created with blocking sync, so the wait sleeps instead of spinning, and the
     event loop never calls a synchronize: it only awaits the future.
@@ -200,20 +201,6 @@ class EventWaiter:
         )
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-
-    def wait(self, event: Waitable, on_done: Callable[[], None] | None = None) -> asyncio.Future[None]:
-        """A future resolved once ``event`` completed; ``on_done`` runs first, on the waiter
-        thread, whatever happens to the future (the caller may have been cancelled)."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-
-        def finish(error: BaseException | None) -> None:
-            if on_done is not None:
-                on_done()
-            settle_threadsafe(loop, future, error)
-
-        self.submit(event, finish)
-        return future
 
     def submit(self, event: Waitable, finish: Callable[[BaseException | None], None]) -> None:
         """Calls ``finish`` on the waiter thread once ``event`` completed (or failed); any

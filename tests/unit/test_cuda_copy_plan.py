@@ -9,7 +9,8 @@ import ctypes
 import random
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ from cachexferd.backends.cuda_copy import (
     run_lengths,
     split_runs,
 )
-from cachexferd.backends.cuda_runtime import EventWaiter
+from cachexferd.backends.cuda_runtime import EventWaiter, settle_threadsafe
 from cachexferd.backends.cuda_stage import DeviceTensor, Stager, storage_groups
 from cachexferd.backends.plan import Run, coalesce, even_groups
 from cachexferd.protocol import DTYPE_BYTES, KVLayout
@@ -320,15 +321,30 @@ class FakeEvent:
             raise self.error
 
 
+def _future_for(waiter: EventWaiter, event: FakeEvent, on_done: Callable[[], None] | None = None) -> Any:
+    """What a swap does: the waiter thread runs the in-flight accounting, then settles the
+    loop's future."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def finish(error: BaseException | None) -> None:
+        if on_done is not None:
+            on_done()
+        settle_threadsafe(loop, future, error)
+
+    waiter.submit(event, finish)
+    return future
+
+
 def test_event_waiter_resolves_in_order_off_the_loop() -> None:
     waiter = EventWaiter("test-wait")
     done: list[int] = []
 
     async def scenario() -> None:
         first, second, broken = FakeEvent(), FakeEvent(), FakeEvent(RuntimeError("illegal address"))
-        f1 = waiter.wait(first, lambda: done.append(1))
-        f2 = waiter.wait(second, lambda: done.append(2))
-        f3 = waiter.wait(broken)
+        f1 = _future_for(waiter, first, lambda: done.append(1))
+        f2 = _future_for(waiter, second, lambda: done.append(2))
+        f3 = _future_for(waiter, broken)
         await asyncio.sleep(0.02)
         assert not f1.done() and not f2.done(), "resolved before the event completed"
         second.release.set()
@@ -351,7 +367,7 @@ def test_event_waiter_runs_on_done_even_if_the_caller_gave_up() -> None:
     event = FakeEvent()
 
     async def scenario() -> None:
-        future = waiter.wait(event, finished.set)
+        future = _future_for(waiter, event, finished.set)
         future.cancel()
 
     try:
