@@ -117,17 +117,22 @@ class CommandStats:
 
     def record(self, op: str, outcome: str, latencies: list[float]) -> None:
         """Adds commands of one op and outcome, with their receipt-to-outcome seconds."""
+        self.record_counted(op, outcome, [(seconds, 1) for seconds in latencies])
+
+    def record_counted(self, op: str, outcome: str, latencies: list[tuple[float, int]]) -> None:
+        """``record`` for (seconds, commands) pairs: the commands of one message arrived
+        together and are often decided together, so they share one latency."""
         with self._lock:
             key = (op, outcome)
-            self._counts[key] = self._counts.get(key, 0) + len(latencies)
+            self._counts[key] = self._counts.get(key, 0) + sum([n for _, n in latencies])
             if not latencies:
                 return
             buckets = self._buckets.get(op)
             if buckets is None:
                 buckets = self._buckets[op] = [0] * (len(_LATENCY_BUCKETS) + 1)
-            for seconds in latencies:
-                buckets[bisect_left(_LATENCY_BUCKETS, seconds)] += 1  # le: a bound is its own bucket
-            self._sums[op] = self._sums.get(op, 0.0) + sum(latencies)
+            for seconds, n in latencies:
+                buckets[bisect_left(_LATENCY_BUCKETS, seconds)] += n  # le: a bound is its own bucket
+            self._sums[op] = self._sums.get(op, 0.0) + sum([seconds * n for seconds, n in latencies])
 
     def count(self, op: str, outcome: str) -> int:
         with self._lock:

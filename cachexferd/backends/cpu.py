@@ -348,10 +348,10 @@ class CpuDeviceCache(DeviceCache):
 
     def swap_now(self, direction: Direction, requests: Sequence[SwapRequest]) -> list[BaseException | None]:
         to_host = direction is Direction.D2H
-        singles = _single_blocks(requests, to_host)
-        if singles is not None:  # the common batch: straight to one copy per group
+        pairs = _block_pairs(requests, to_host)
+        if pairs is not None:  # the common batch: straight to one copy per group
             for group in self.groups:
-                _copy_singles(group, to_host, *singles)
+                _copy_singles(group, to_host, *pairs)
             return [None] * len(requests)
         items = [plan_item(i, r.device_ids, r.host_ids) for i, r in enumerate(requests)]
         failed = self._copy_shard(direction, items, [r.cancel for r in requests])
@@ -439,16 +439,20 @@ class CpuBackend(Backend):
             pool.shutdown(wait=True)
 
 
-def _single_blocks(requests: Sequence[SwapRequest], to_host: bool) -> tuple[list[int], list[int]] | None:
-    """(source ids, destination ids) when every request moves one block and none is
-    cancelled, else None. Only for the loop thread, where no cancel can come in between."""
+def _block_pairs(requests: Sequence[SwapRequest], to_host: bool) -> tuple[list[int], list[int]] | None:
+    """(source ids, destination ids) of every block pair of the requests when none is
+    cancelled and they are few enough for one gathered copy, else None. Only for the loop
+    thread, where no cancel can come in between. A batch small enough to be copied there
+    gains nothing from finding runs of consecutive blocks: one indexed copy takes them all."""
     device: list[int] = []
     host: list[int] = []
     for device_ids, host_ids, cancel in requests:
-        if len(device_ids) != 1 or cancel.cancelled:
+        if cancel.cancelled:
             return None
-        device.append(device_ids[0])
-        host.append(host_ids[0])
+        device += device_ids
+        host += host_ids
+    if len(device) > _FOREACH_BATCH:
+        return None
     return (device, host) if to_host else (host, device)
 
 
@@ -456,6 +460,12 @@ def _copy_singles(group: TensorGroup, to_host: bool, src_ids: list[int], dst_ids
     """Copies block ``src_ids[i]`` to block ``dst_ids[i]`` of every tensor in the group, in
     one call. Destinations never repeat within a batch (a command's destination ids are
     unique, and two commands writing one block are never ready together)."""
+    count = len(src_ids)
+    if count > 1 and _one_run(src_ids, dst_ids):  # one slice copy: each byte moves once
+        src, dst = src_ids[0], dst_ids[0]
+        src_view, dst_view = (group.device, group.host) if to_host else (group.host, group.device)
+        dst_view[dst : dst + count].copy_(src_view[src : src + count])
+        return
     if group.device_rows is not None and group.host_rows is not None:
         src_rows, dst_rows = (group.device_rows, group.host_rows) if to_host else (group.host_rows, group.device_rows)
         if len(src_ids) < _GATHER_MIN_BLOCKS:
@@ -466,6 +476,19 @@ def _copy_singles(group: TensorGroup, to_host: bool, src_ids: list[int], dst_ids
         return
     src_view, dst_view = (group.device, group.host) if to_host else (group.host, group.device)
     torch._foreach_copy_([dst_view[d] for d in dst_ids], [src_view[s] for s in src_ids])
+
+
+def _one_run(src_ids: list[int], dst_ids: list[int]) -> bool:
+    """Whether both lists count up by one from their first id (consecutive blocks on both
+    sides, as an engine's freshly allocated blocks often are). The ends are compared first:
+    scattered ids almost never pass that."""
+    last = len(src_ids) - 1
+    first_src, first_dst = src_ids[0], dst_ids[0]
+    return (
+        src_ids[last] - first_src == last and dst_ids[last] - first_dst == last
+        and src_ids == list(range(first_src, first_src + last + 1))
+        and dst_ids == list(range(first_dst, first_dst + last + 1))
+    )  # fmt: skip
 
 
 def create(config: Config) -> CpuBackend:

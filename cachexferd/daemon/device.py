@@ -191,9 +191,10 @@ class DeviceSlot:
             if orphaned:
                 _remove_orphaned(cache)
         # A copy cancelled mid-way may still have finished: count outcomes, not requests.
-        cancelled = sum(1 for e in entries if e.code == ErrorCode.DETACHED)
-        log.info("detached: drained %d, cancelled %d", len(entries) - cancelled, cancelled)
-        return {"state": DeviceState.DETACHED.value, "drained": len(entries) - cancelled, "cancelled": cancelled}
+        cancelled = sum(e.weight for e in entries if e.code == ErrorCode.DETACHED)
+        drained = sum(e.weight for e in entries) - cancelled
+        log.info("detached: drained %d, cancelled %d", drained, cancelled)
+        return {"state": DeviceState.DETACHED.value, "drained": drained, "cancelled": cancelled}
 
     def _publish(self) -> None:
         m = self.metrics

@@ -28,6 +28,7 @@ from ..protocol import (
     decode_commands,
     decode_frames,
 )
+from .groups import SwapGroup, SwapGroups
 from .request import Request
 
 if TYPE_CHECKING:
@@ -52,13 +53,15 @@ class Dispatcher:
 
     def __init__(
         self, handlers: Handlers, jobs: Jobs, outcomes: Outcomes, sessions: Sessions, max_inflight: int,
-        admit: Admit, spawn: Spawn,
+        admit: Admit, spawn: Spawn, groups: SwapGroups,
     ) -> None:  # fmt: skip
         self.handlers, self.jobs, self.outcomes, self.sessions = handlers, jobs, outcomes, sessions
         self.max_inflight, self._admit, self._spawn = max_inflight, admit, spawn
         self._inflight: set[tuple[bytes, int]] = set()  # (client identity, req_id) without outcome
         self._held: deque[Request] | None = None  # behind a running barrier
         self._accepted: list[Request] = []  # asynchronous commands accepted, not yet registered
+        self._accepted_commands = 0  # how many commands those hold (a group holds several)
+        self.groups = groups
 
     # Frames ---------------------------------------------------------------------------
 
@@ -67,7 +70,7 @@ class Dispatcher:
         cmds = decode_commands(frames)  # the typed fast path: well-formed traffic
         if cmds is None:
             self._on_checked_frames(identity, frames, received)
-        else:
+        elif len(cmds) == 1 or not self._accept_groups(identity, cmds, received):
             for cmd in cmds:  # in order, exactly as if they had arrived one by one
                 self.accept(Request(identity, cmd, received))
         self._register_accepted()
@@ -119,28 +122,56 @@ class Dispatcher:
             log.exception("%s req_id=%d failed", cmd.TYPE.name, req.req_id)
             self.outcomes.send(req, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", {})
 
+    def _accept_groups(self, identity: bytes, cmds: list[Command], received: float) -> bool:
+        """A BATCH of swaps as groups (groups.py), when the per-command path would accept
+        every command; False, with nothing changed, when it must judge them one by one."""
+        if self._held is not None:
+            return False
+        session = self.sessions.get(identity)
+        if session is None or session.events is None or not session.batch_events:
+            return False
+        if len(self.jobs.ordering) + self._accepted_commands + len(cmds) > self.max_inflight:
+            return False
+        req_ids = {cmd.req_id for cmd in cmds}
+        if len(req_ids) < len(cmds) or 0 in req_ids or not self._inflight.isdisjoint([(identity, r) for r in req_ids]):
+            return False
+        groups = self.groups.plan(identity, cmds, received)
+        if groups is None:
+            return False
+        for group in groups:
+            self._inflight.update(group.keys)
+            self._accepted.append(group)
+            self._accepted_commands += group.weight
+        session.inflight += len(cmds)
+        return True
+
     def _start_job(self, req: Request, cmd: Command) -> None:
         session = self.sessions.get(req.identity)
         if session is None or session.events is None:
             raise ProtocolError(
                 ErrorCode.NO_EVENT_CHANNEL, "asynchronous commands need a hello that names an events endpoint"
             )
-        if len(self.jobs.ordering) + len(self._accepted) >= self.max_inflight:
+        if len(self.jobs.ordering) + self._accepted_commands >= self.max_inflight:
             raise ProtocolError(ErrorCode.BUSY, f"{self.max_inflight} commands in flight; retry later")
         req.job = self.handlers.jobs[cmd.TYPE](cmd)
         self._inflight.add((req.identity, req.req_id))
         session.inflight += 1
         self._accepted.append(req)
+        self._accepted_commands += 1
 
     def _register_accepted(self) -> None:
         accepted, self._accepted = self._accepted, []
         if accepted:
+            self._accepted_commands = 0
             self.jobs.submit(accepted)
 
     def jobs_done(self, decided: list[tuple[Request, int, str, dict[str, Any]]]) -> None:
         """``job_done`` for the outcomes of a batch of copies, in order."""
         forget, session_of, send_to = self._inflight.discard, self.sessions.get, self.outcomes.send_to
         for req, code, detail, result in decided:
+            if req.__class__ is SwapGroup:
+                self._group_done(req, code, detail, result)
+                continue
             identity = req.identity
             forget((identity, req.req_id))
             session = session_of(identity)
@@ -150,11 +181,21 @@ class Dispatcher:
 
     def job_done(self, req: Request, code: int, detail: str, result: dict[str, Any]) -> None:
         """The completion callback of Jobs: forget the req_id, send the outcome."""
+        if req.__class__ is SwapGroup:
+            self._group_done(req, code, detail, result)
+            return
         self._inflight.discard((req.identity, req.req_id))
         session = self.sessions.get(req.identity)
         if session is not None and session.inflight:
             session.inflight -= 1
         self.outcomes.send_to(session, req, code, detail, result)
+
+    def _group_done(self, group: SwapGroup, code: int, detail: str, result: dict[str, Any]) -> None:
+        self._inflight.difference_update(group.keys)
+        session = self.sessions.get(group.identity)
+        if session is not None:
+            session.inflight = max(0, session.inflight - group.weight)
+        self.outcomes.send_group(session, group, code, detail, result)
 
     def _run_sync(self, req: Request, cmd: Command) -> None:
         self._register_accepted()  # what arrived before this command is in flight for it

@@ -96,7 +96,7 @@ class Jobs:
         ready = []
         for req in requests:
             assert req.job is not None
-            entry = register(req.job.access, req)
+            entry = register(req.job.access, req, req.weight)
             if entry.unmet == 0:
                 ready.append(entry)
         if ready:

@@ -87,13 +87,16 @@ _RUNNING, _FINISHED, _RELEASED = Phase.RUNNING, Phase.FINISHED, Phase.RELEASED
 
 
 class Entry:
-    """One registered command. ``payload`` is the caller's (what to run when ready)."""
+    """One registered command, or a group of commands that run and end together (a BATCH's
+    swaps on disjoint blocks: ``weight`` commands). ``payload`` is the caller's (what to run
+    when ready)."""
 
-    __slots__ = ("_waiters", "access", "cancel", "code", "dependents", "payload", "phase", "unmet")
+    __slots__ = ("_waiters", "access", "cancel", "code", "dependents", "payload", "phase", "unmet", "weight")
 
-    def __init__(self, access: Access, payload: Any) -> None:
+    def __init__(self, access: Access, payload: Any, weight: int = 1) -> None:
         self.access = access
         self.payload = payload
+        self.weight = weight
         self.cancel = CancelToken()
         self.phase = Phase.WAITING
         self.unmet = 0  # unreleased entries this one waits for
@@ -173,14 +176,16 @@ class BlockOrdering:
         self._device_entries: dict[Entry, None] = {}
         self._host_entries: dict[Entry, None] = {}
         self._host_barrier: Entry | None = None  # the last unreleased CLEAR_HOST
-        self.waiting = 0  # registered, not started
-        self.running = 0  # started, outcome not decided
+        self.waiting = 0  # commands registered, not started
+        self.running = 0  # commands started, outcome not decided
+        self.commands = 0  # commands registered, not released
         self.examined = 0  # ids and dependencies looked at, ever (a work count for tests)
 
-    def register(self, access: Access, payload: Any = None) -> Entry:
-        """Adds a command; ``entry.ready`` tells whether it may start now. A board the command
-        does not touch is not visited: a swap looks at two boards, a lookup at one."""
-        entry = Entry(access, payload)
+    def register(self, access: Access, payload: Any = None, weight: int = 1) -> Entry:
+        """Adds a command (``weight`` commands that run as one); ``entry.ready`` tells whether
+        it may start now. A board the command does not touch is not visited: a swap looks at
+        two boards, a lookup at one."""
+        entry = Entry(access, payload, weight)
         deps: set[Entry] = set()
         device_read, device_write, host_read, host_write, all_host, keys_read, keys_write = access
         examined = 0
@@ -201,7 +206,8 @@ class BlockOrdering:
             examined += len(deps)
         self.examined += examined
         self._entries[entry] = None
-        self.waiting += 1
+        self.waiting += weight
+        self.commands += weight
         return entry
 
     def _claim_all_host(self, entry: Entry, deps: set[Entry]) -> None:
@@ -215,17 +221,17 @@ class BlockOrdering:
     def start(self, entry: Entry) -> None:
         if entry.phase is Phase.WAITING:
             entry.phase = Phase.RUNNING
-            self.waiting -= 1
-            self.running += 1
+            self.waiting -= entry.weight
+            self.running += entry.weight
 
     def finish(self, entry: Entry, code: int) -> None:
         """The outcome is decided; the blocks stay claimed until ``release``."""
         if entry.phase >= Phase.FINISHED:
             return
         if entry.phase is Phase.RUNNING:
-            self.running -= 1
+            self.running -= entry.weight
         else:
-            self.waiting -= 1
+            self.waiting -= entry.weight
         entry.phase, entry.code = Phase.FINISHED, code
         entry._resolve_waiters()
 
@@ -242,7 +248,7 @@ class BlockOrdering:
         if phase is _RELEASED:
             return []
         if phase is _RUNNING:  # ``finish``, inlined: this runs once per command
-            self.running -= 1
+            self.running -= entry.weight
             entry.code = code
             if entry._waiters is not None:
                 entry._resolve_waiters()
@@ -261,6 +267,7 @@ class BlockOrdering:
         if keys_read or keys_write:
             self._keys.drop(entry, keys_read, keys_write)
         del self._entries[entry]
+        self.commands -= entry.weight
         dependents = entry.dependents
         if not dependents:
             return []
@@ -277,8 +284,9 @@ class BlockOrdering:
         return list(self._device_entries if device_only else self._entries)
 
     def counts(self) -> tuple[int, int]:
-        """(waiting to start, running)."""
+        """(commands waiting to start, commands running)."""
         return self.waiting, self.running
 
     def __len__(self) -> int:
-        return len(self._entries)
+        """Commands registered and not released (a group counts each of its commands)."""
+        return self.commands

@@ -6,9 +6,10 @@ not be decoded or admitted before a session existed, and every DUPLICATE_REQ_ID 
 a REPLY on the command socket. Clients that asked for batched events in their hello get the
 events of one turn (``turn.Turn``) in one EVENT_BATCH message per event endpoint.
 
-Accounting is per flush as well: each outcome only notes its op, code and arrival time;
-the flush (once per turn with outcomes) adds them to the command counter and the
-latency histogram in one call per (op, code).
+Accounting is per flush as well: each outcome only counts itself under its op, code and
+arrival time (the commands of one message share one); the flush (once per turn with
+outcomes) adds them to the command counter and the latency histogram in one call per
+(op, code).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..protocol import ASYNC_TYPES, ErrorCode, Limits, MsgType, encode_event_batch, encode_outcome_fields
+from .request import Request
 from .turn import Turn
 
 if TYPE_CHECKING:
     from ..metrics import DaemonMetrics
-    from .request import Request
+    from .groups import SwapGroup
     from .sessions import EventSinks, Session, Sessions
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,8 @@ class Outcomes:
         self.metrics, self.sessions, self.sinks, self._reply = metrics, sessions, sinks, reply
         self._pending: dict[str, list[list[Any]]] = {}  # event endpoint -> compact outcomes to batch
         self._scheduled = False
-        self._decided: dict[tuple[int, int], list[float]] = {}  # (op, code) -> arrival times, until the flush
+        # (op, code) -> {arrival time: commands}, until the flush (a message's commands share one)
+        self._decided: dict[tuple[int, int], dict[float, int]] = {}
 
     def send(self, req: Request, code: int, detail: str, result: dict[str, Any], *, as_reply: bool = False) -> None:
         """Sends one command's outcome (exactly once per command: the caller's duty)."""
@@ -60,13 +63,13 @@ class Outcomes:
         as_reply: bool = False,
     ) -> None:  # fmt: skip
         """``send``, for a caller that has just looked up the sender's session."""
-        op, req_id = req.op, req.req_id
+        op, req_id, received = req.op, req.req_id, req.received
         arrivals = self._decided.get((op, code))
         if arrivals is None:
-            self._decided[(op, code)] = [req.received]
+            self._decided[(op, code)] = {received: 1}
             self._schedule()
         else:
-            arrivals.append(req.received)
+            arrivals[received] = arrivals.get(received, 0) + 1
         if code and log.isEnabledFor(logging.DEBUG):  # the names cost more than the check
             log.debug("%s req_id=%d -> %s: %s", op_name(op), req_id, code_name(code), detail)
         if as_reply or op not in ASYNC_TYPES or not req_id or session is None or session.events is None:
@@ -75,6 +78,32 @@ class Outcomes:
             self._queue(session.events, [req_id, op, code, detail, result])
         elif not self.sinks.send(session.events, self._encode(MsgType.EVENT, req_id, op, code, detail, result)):
             self.metrics.events_dropped.inc()
+
+    def send_group(
+        self, session: Session | None, group: SwapGroup, code: int, detail: str, result: dict[str, Any]
+    ) -> None:
+        """The outcome of every command of a group (same code and detail; each its own result)."""
+        results = group.results(code, result)
+        if session is None or session.events is None or not session.batch_events:  # its client changed its hello
+            for cmd, own in zip(group.cmds, results):
+                self.send_to(session, Request(group.identity, cmd, group.received), code, detail, own)
+            return
+        op, count, received = group.op, len(group.cmds), group.received
+        arrivals = self._decided.get((op, code))
+        if arrivals is None:
+            self._decided[(op, code)] = {received: count}
+            self._schedule()
+        else:
+            arrivals[received] = arrivals.get(received, 0) + count
+        if code and log.isEnabledFor(logging.DEBUG):
+            log.debug("%r -> %s: %s", group, code_name(code), detail)
+        entries = [[cmd.req_id, op, code, detail, own] for cmd, own in zip(group.cmds, results)]
+        pending = self._pending.get(session.events)
+        if pending is None:
+            self._pending[session.events] = entries
+            self._schedule()
+        else:
+            pending += entries
 
     def _encode(
         self, kind: MsgType, req_id: int, op: int, code: int, detail: str, result: dict[str, Any]
@@ -111,4 +140,5 @@ class Outcomes:
         decided, self._decided = self._decided, {}
         now = time.monotonic()
         for (op, code), arrivals in decided.items():
-            self.metrics.commands.record(op_name(op), code_name(code), [now - t for t in arrivals])
+            latencies = [(now - t, n) for t, n in arrivals.items()]
+            self.metrics.commands.record_counted(op_name(op), code_name(code), latencies)

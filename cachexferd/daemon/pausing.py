@@ -46,10 +46,10 @@ class Pausing:
                 entry.cancel.cancel(ErrorCode.PAUSED, "cancelled by PAUSE after its drain timeout")
         if pending:
             await asyncio.wait(pending)  # cancelled copies stop at their next checkpoint
-        cancelled = sum(1 for e in entries if e.code == ErrorCode.PAUSED)
+        cancelled = sum(e.weight for e in entries if e.code == ErrorCode.PAUSED)
         # ``paused`` describes this PAUSE, which took effect when it was read (arrival order is
         # the order of effect): a RESUME read before this reply does not change it.
-        return {"paused": True, "drained": len(entries) - cancelled, "cancelled": cancelled}
+        return {"paused": True, "drained": sum(e.weight for e in entries) - cancelled, "cancelled": cancelled}
 
     def resume(self) -> dict[str, Any]:
         was, self.paused = self.paused, False

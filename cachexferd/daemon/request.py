@@ -4,6 +4,8 @@ Dispatch, the block ordering, the jobs and the outcome all work on the same Requ
 sent it (the ROUTER identity), what it is (the decoded command, or only the op and req_id
 of one that could not be decoded), when it arrived (for the latency histogram), and, for
 asynchronous commands, the job its handler made. Nothing is copied between the stages.
+A group of swaps handled together (groups.SwapGroup) is a Request too, of ``weight``
+commands.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ if TYPE_CHECKING:
 
 
 class Request:
-    __slots__ = ("cmd", "identity", "job", "op", "received", "req_id")
+    __slots__ = ("cmd", "identity", "job", "op", "received", "req_id", "weight")
 
     def __init__(self, identity: bytes, cmd: Command, received: float) -> None:
         self.identity = identity
@@ -26,13 +28,14 @@ class Request:
         self.req_id = cmd.req_id
         self.received = received
         self.job: Job | None = None  # set when an asynchronous command is accepted
+        self.weight = 1  # commands this request stands for
 
     @classmethod
     def refused(cls, identity: bytes, error: ProtocolError, received: float) -> Request:
         """A message that gave no command: its outcome carries what could be read of it."""
         req = cls.__new__(cls)
         req.identity, req.cmd, req.job, req.received = identity, None, None, received
-        req.op, req.req_id = error.msg_type, error.req_id
+        req.op, req.req_id, req.weight = error.msg_type, error.req_id, 1
         return req
 
     def __repr__(self) -> str:

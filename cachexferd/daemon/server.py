@@ -40,6 +40,7 @@ from ..zmqio import readable, send_frames
 from .access import AccessControl
 from .device import DeviceSlot
 from .dispatch import Dispatcher
+from .groups import SwapGroups
 from .handlers import Handlers
 from .host import HostCache
 from .jobs import Jobs
@@ -142,9 +143,11 @@ class Daemon:
         )  # fmt: skip
         handlers.sync[MsgType.ATTACH] = self.access.guard_attach(handlers.handle_attach)
         self.jobs = Jobs(self.ordering, self.metrics, self._job_done, self.turn)
+        groups = SwapGroups(self.device, self.host, self.pausing, self._admit)
         self.dispatcher = Dispatcher(
-            handlers, self.jobs, self.outcomes, self.sessions, config.daemon.max_inflight, self._admit, self.spawn
-        )
+            handlers, self.jobs, self.outcomes, self.sessions, config.daemon.max_inflight, self._admit, self.spawn,
+            groups,
+        )  # fmt: skip
         self.jobs.on_complete(self.dispatcher.job_done, self.dispatcher.jobs_done)  # straight there
         self.router: zmq.Socket[Any] | None = None
         self._stop_requested = asyncio.Event()

@@ -46,3 +46,16 @@ def test_families_are_exported_before_any_command() -> None:
     text = generate_latest(DaemonMetrics(rank=0, backend="cpu").registry).decode()
     assert "# TYPE cachexferd_commands_total counter" in text
     assert "# TYPE cachexferd_command_duration_seconds histogram" in text
+
+
+def test_counted_latencies_are_the_same_as_repeated_ones() -> None:
+    """Commands that share an arrival (one message) are recorded as (seconds, count) pairs."""
+    counted, repeated = DaemonMetrics(rank=0, backend="cpu"), DaemonMetrics(rank=0, backend="cpu")
+    pairs = [(0.0001, 3), (0.0025, 64), (10.0, 1), (11.0, 2)]
+    counted.commands.record_counted("swap_out", "ok", pairs)
+    repeated.commands.record("swap_out", "ok", [seconds for seconds, n in pairs for _ in range(n)])
+    names = ("cachexferd_commands_total", "cachexferd_command_duration_seconds_")
+    ours = series(generate_latest(counted.registry).decode(), names)
+    assert ours == series(generate_latest(repeated.registry).decode(), names)
+    assert counted.commands.count("swap_out", "ok") == 70
+    assert 'cachexferd_command_duration_seconds_bucket{le="0.0025",op="swap_out"} 67.0' in ours

@@ -150,6 +150,26 @@ def test_swap_now_single_block_commands(rig: Rig, direction: Direction, count: i
     rig.check()
 
 
+@pytest.mark.parametrize(
+    "commands",
+    [
+        [([b], [16 + b]) for b in range(4, 24)],  # consecutive on both sides: one slice copy
+        [([4], [30]), ([6], [31]), ([5], [32]), ([7], [33])],  # the ends match, the middle does not
+        [([4], [30]), ([5], [32]), ([6], [31]), ([7], [33])],
+        [([2, 3, 4], [10, 11, 12]), ([5], [13]), ([6, 7], [14, 15])],  # multi-block commands forming one run
+    ],
+    ids=["one-run", "device-out-of-order", "host-out-of-order", "multi-block-run"],
+)
+@pytest.mark.parametrize("direction", [Direction.D2H, Direction.H2D])
+def test_swap_now_consecutive_and_nearly_consecutive_blocks(
+    rig: Rig, direction: Direction, commands: list[tuple[list[int], list[int]]]
+) -> None:
+    assert rig.device.swap_now(direction, _requests(commands)) == [None] * len(commands)
+    for d, h in commands:
+        rig.apply(direction, d, h)
+    rig.check()
+
+
 def test_a_cancelled_command_copies_nothing(rig: Rig) -> None:
     requests = _requests([([1], [5]), ([2, 3, 4], [6, 7, 8]), ([6], [9]), ([7, 9], [10, 12]), ([11], [13])])
     requests[1].cancel.cancel(ErrorCode.DETACHED, "gone")

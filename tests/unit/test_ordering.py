@@ -136,3 +136,50 @@ def test_work_per_command_does_not_grow_with_commands_in_flight() -> None:
     assert small <= 4  # two ids, at most one dependency each
     assert abs(examined_per_command(10_000, 0) - small) < 0.01
     assert abs(examined_per_command(1_000, 20_000) - small) < 0.01
+
+
+def test_a_group_counts_as_its_commands() -> None:
+    """A group of swaps is one entry of ``weight`` commands: every count is in commands."""
+    order = BlockOrdering()
+    group = order.register(swap_access([1, 2, 3], [7, 8, 9], to_host=True), weight=3)
+    single = order.register(swap_access([4], [10], to_host=True))
+    behind = order.register(swap_access([5], [8], to_host=False))  # reads host 8, which the group writes
+    assert len(order) == 5 and order.counts() == (5, 0)
+    assert behind.unmet == 1 and group.ready
+    order.start(group)
+    assert order.counts() == (2, 3)
+    assert order.complete(group, 0) == [behind]
+    assert len(order) == 2 and order.counts() == (2, 0)
+    order.start(single)
+    order.finish(single, 0)
+    assert order.counts() == (1, 0) and len(order) == 2  # finished, not yet released
+    order.release(single)
+    assert len(order) == 1
+
+
+def test_pause_reports_every_command_of_a_group() -> None:
+    """PAUSE's drained and cancelled counts are commands, whatever their grouping."""
+    from cachexferd.daemon.pausing import Pausing
+    from cachexferd.protocol import ErrorCode
+
+    async def scenario() -> dict[str, object]:
+        order = BlockOrdering()
+        drained = order.register(swap_access([1, 2], [7, 8], to_host=True), weight=2)
+        stuck = order.register(swap_access([3, 4, 5], [9, 10, 11], to_host=True), weight=3)
+        for entry in (drained, stuck):
+            order.start(entry)
+
+        async def copies() -> None:
+            await asyncio.sleep(0.01)
+            order.complete(drained, 0)  # finishes within the drain timeout
+            while not stuck.cancel.cancelled:  # the other stops at its checkpoint once cancelled
+                await asyncio.sleep(0.005)
+            order.complete(stuck, stuck.cancel.code)
+
+        running = asyncio.ensure_future(copies())
+        result = await asyncio.wait_for(Pausing(order).pause(0.2), timeout=10)
+        await asyncio.wait_for(running, timeout=10)
+        assert stuck.code == ErrorCode.PAUSED
+        return result
+
+    assert asyncio.run(scenario()) == {"paused": True, "drained": 2, "cancelled": 3}

@@ -1,0 +1,198 @@
+"""A BATCH of swaps on disjoint blocks is handled as groups (daemon/groups.py): each command
+keeps its own outcome, the bytes are exact and every other block is unchanged; a BATCH that
+cannot be grouped is judged command by command, with the same outcomes as ever."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from cachexferd.client import EngineClient, RunnerClient, ShmKVCache
+from cachexferd.daemon.groups import SwapGroup, SwapGroups
+from cachexferd.protocol import ErrorCode, Hello, MsgType, Outcome, decode_outcomes, encode_batch, encode_command
+
+from ..helpers import InProcessDaemon, assert_matches_model, assert_moved, assert_untouched, fill_random, snapshot
+
+
+class PlanRecorder:
+    """The daemon's own SwapGroups, noting what each BATCH became: the sizes of its groups,
+    or None when it went command by command."""
+
+    def __init__(self, real: SwapGroups) -> None:
+        self.real = real
+        self.planned: list[list[int] | None] = []
+
+    def plan(self, identity: bytes, cmds: list[Any], received: float) -> list[SwapGroup] | None:
+        groups = self.real.plan(identity, cmds, received)
+        self.planned.append(None if groups is None else [len(g.cmds) for g in groups])
+        return groups
+
+
+@pytest.fixture
+def recorder(inproc: InProcessDaemon) -> PlanRecorder:
+    assert inproc.daemon is not None
+    dispatcher = inproc.daemon.dispatcher
+    recorder = PlanRecorder(dispatcher.groups)
+    dispatcher.groups = recorder  # type: ignore[assignment]
+    return recorder
+
+
+def _done(engine: EngineClient, req_ids: list[int]) -> dict[int, Any]:
+    return engine.wait(req_ids, timeout_s=20)
+
+
+def _code(done: dict[int, Any], req_id: int) -> int:
+    (outcome,) = done[req_id].outcomes.values()  # one daemon
+    return int(outcome.code)
+
+
+def _ok(engine: EngineClient, req_ids: list[int]) -> list[dict[str, Any]]:
+    done = _done(engine, req_ids)
+    for req_id in req_ids:
+        assert done[req_id].ok, done[req_id].describe()
+    return [done[r].result() for r in req_ids]
+
+
+def test_disjoint_swaps_of_both_directions_are_grouped_and_exact(
+    inproc: InProcessDaemon, engine: EngineClient, shm_cache: ShmKVCache, recorder: PlanRecorder
+) -> None:
+    fill_random(shm_cache, seed=21)
+    before = snapshot(shm_cache)
+    rng = random.Random(21)
+    src, host = rng.sample(range(0, 20), 8), rng.sample(range(0, 100), 8)
+    block_bytes = shm_cache.layout.host_block_bytes
+    with RunnerClient(inproc.endpoint) as runner, runner.attached(shm_cache):
+        _ok(engine, [engine.swap_out([30, 31, 32, 33, 34, 35], [200, 201, 202, 203, 204, 205])])
+        with engine.batch():
+            outs = [engine.swap_out([s], [h]) for s, h in zip(src, host)]
+            outs.append(engine.swap_out([20, 21, 22], [150, 151, 152]))
+            ins = [engine.swap_in([40, 41], [200, 201]), engine.swap_in([42], [202]),
+                   engine.swap_in([43, 44, 45], [203, 204, 205])]  # fmt: skip
+        results = _ok(engine, outs + ins)
+        assert recorder.planned == [[9, 3]]  # one group per direction
+        sizes = [1] * 8 + [3] + [2, 1, 3]
+        assert [r["blocks"] for r in results] == sizes
+        assert [r["bytes"] for r in results] == [n * block_bytes for n in sizes]
+        assert all(r["finished_at"] >= r["started_at"] for r in results)
+        back = [46, 47, 23, 24, 25, 26, 27, 28, 29, 36, 37]  # read what the group of SWAP_OUTs wrote
+        _ok(engine, [engine.swap_in(back, [*host, 150, 151, 152])])
+    assert_moved(shm_cache, [40, 41, 42, 43, 44, 45], before, [30, 31, 32, 33, 34, 35])
+    assert_moved(shm_cache, back, before, [*src, 20, 21, 22])
+    assert_untouched(shm_cache, before, [40, 41, 42, 43, 44, 45, *back])
+
+
+def test_a_command_behind_a_group_waits_for_it(
+    inproc: InProcessDaemon, engine: EngineClient, shm_cache: ShmKVCache, recorder: PlanRecorder
+) -> None:
+    """Pipelined right behind the group, a SWAP_IN of one of its host blocks reads what the
+    group wrote, and a SWAP_OUT over another of them lands after it."""
+    fill_random(shm_cache, seed=22)
+    before = snapshot(shm_cache)
+    with RunnerClient(inproc.endpoint) as runner, runner.attached(shm_cache):
+        for round_ in range(20):  # fresh host blocks every round: a read too early finds zeros
+            base = 300 + 10 * round_
+            with engine.batch():
+                group = [engine.swap_out([b], [base + b]) for b in range(8)]
+            read = engine.swap_in([40], [base + 3])
+            overwrite = engine.swap_out([9], [base + 5])
+            last = engine.swap_in([41, 42], [base + 5, base + 6])
+            _ok(engine, [*group, read, overwrite, last])
+            assert_moved(shm_cache, [40, 41, 42], before, [3, 9, 6])
+    assert recorder.planned == [[8]] * 20
+    assert_untouched(shm_cache, before, [40, 41, 42])
+
+
+def test_a_batch_that_cannot_be_grouped_is_judged_command_by_command(
+    inproc: InProcessDaemon, engine: EngineClient, shm_cache: ShmKVCache, recorder: PlanRecorder
+) -> None:
+    fill_random(shm_cache, seed=23)
+    before = snapshot(shm_cache)
+    with RunnerClient(inproc.endpoint) as runner, runner.attached(shm_cache):
+        with engine.batch():  # one id out of range: only that command is refused
+            bad = [engine.swap_out([1], [1]), engine.swap_out([999], [2]), engine.swap_out([3], [3])]
+        with engine.batch():  # the SWAP_IN reads what the SWAP_OUT before it in the batch writes
+            chained = [engine.swap_out([5], [7]), engine.swap_in([44], [7])]
+        with engine.batch():  # mismatched lengths in one command
+            uneven = [engine.swap_out([6, 8], [9]), engine.swap_out([10], [11])]
+        done = _done(engine, bad + chained + uneven)
+    assert recorder.planned == [None, None, None]
+    assert [_code(done, r) for r in bad] == [ErrorCode.OK, ErrorCode.ID_OUT_OF_RANGE, ErrorCode.OK]
+    assert [_code(done, r) for r in chained] == [ErrorCode.OK, ErrorCode.OK]
+    assert [_code(done, r) for r in uneven] == [ErrorCode.LENGTH_MISMATCH, ErrorCode.OK]
+    assert_moved(shm_cache, [44], before, [5])
+    assert_untouched(shm_cache, before, [44])
+
+
+def test_random_batches_match_the_sequential_model(
+    inproc: InProcessDaemon, engine: EngineClient, shm_cache: ShmKVCache, recorder: PlanRecorder
+) -> None:
+    """Batches of random swaps, some disjoint (grouped), some conflicting (command by command),
+    pipelined without waiting: the end state is that of running them one by one."""
+    fill_random(shm_cache, seed=24)
+    original = snapshot(shm_cache)
+    rng = random.Random(24)
+    device_blocks, host_blocks = shm_cache.layout.num_blocks, 64
+    device = list(range(device_blocks))  # the original block each device block holds
+    host: list[int | None] = [None] * host_blocks
+    req_ids: list[int] = []
+    with RunnerClient(inproc.endpoint) as runner, runner.attached(shm_cache):
+        for _ in range(120):
+            with engine.batch():
+                for _ in range(rng.randint(2, 6)):
+                    n = rng.randint(1, 3)
+                    dev_ids, host_ids = rng.sample(range(device_blocks), n), rng.sample(range(host_blocks), n)
+                    if rng.random() < 0.5:
+                        req_ids.append(engine.swap_out(dev_ids, host_ids))
+                        for d, h in zip(dev_ids, host_ids):
+                            host[h] = device[d]
+                        continue
+                    pairs = [(d, h) for d, h in zip(dev_ids, host_ids) if host[h] is not None]
+                    if pairs:
+                        req_ids.append(engine.swap_in([d for d, _ in pairs], [h for _, h in pairs]))
+                        for d, h in pairs:
+                            device[d] = host[h]  # type: ignore[assignment]
+        _ok(engine, req_ids)
+    assert_matches_model(shm_cache, original, device)
+    grouped = sum(1 for p in recorder.planned if p is not None)
+    assert 0 < grouped < len(recorder.planned), recorder.planned  # both paths were taken
+
+
+def _batch_hello(events: str) -> list[bytes]:
+    return encode_command(Hello(req_id=1, protocol=[1, 1], role="engine", events=events, batch_events=True))
+
+
+def test_duplicate_req_ids_in_a_batch_are_refused_as_ever(
+    inproc: InProcessDaemon, shm_cache: ShmKVCache, recorder: PlanRecorder, short_tmp: Path
+) -> None:
+    """The second command with a req_id already in flight gets DUPLICATE_REQ_ID as a REPLY;
+    the first keeps its own outcome, as an event."""
+    ctx = zmq.Context()
+    dealer, pull = ctx.socket(zmq.DEALER), ctx.socket(zmq.PULL)
+    events = f"ipc://{short_tmp / 'ev.sock'}"
+    pull.bind(events)
+    dealer.connect(inproc.endpoint)
+    try:
+        with RunnerClient(inproc.endpoint) as runner, runner.attached(shm_cache):
+            dealer.send_multipart(_batch_hello(events))
+            assert dealer.poll(5000) and decode_outcomes(dealer.recv_multipart())[0].ok
+            swap = {"device_ids": [1], "host_ids": [1]}
+            dealer.send_multipart(encode_batch([
+                (MsgType.SWAP_OUT, {"req_id": 5, **swap}), (MsgType.SWAP_OUT, {"req_id": 5, "device_ids": [2],
+                 "host_ids": [2]}), (MsgType.SWAP_OUT, {"req_id": 6, "device_ids": [3], "host_ids": [3]}),
+            ]))  # fmt: skip
+            assert dealer.poll(5000)
+            replies = decode_outcomes(dealer.recv_multipart())
+            got: list[Outcome] = []
+            while len(got) < 2 and pull.poll(5000):
+                got += decode_outcomes(pull.recv_multipart())
+    finally:
+        dealer.close(0)
+        pull.close(0)
+        ctx.term()
+    assert [(o.req_id, o.code) for o in replies] == [(5, ErrorCode.DUPLICATE_REQ_ID)]
+    assert sorted((o.req_id, o.code) for o in got) == [(5, ErrorCode.OK), (6, ErrorCode.OK)]
+    assert recorder.planned == []  # refused before any group was planned
