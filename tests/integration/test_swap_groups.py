@@ -4,18 +4,30 @@ cannot be grouped is judged command by command, with the same outcomes as ever."
 
 from __future__ import annotations
 
+import contextlib
 import random
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import zmq
 
 from cachexferd.client import EngineClient, RunnerClient, ShmKVCache
 from cachexferd.daemon.groups import SwapGroup, SwapGroups
 from cachexferd.protocol import ErrorCode, Hello, MsgType, Outcome, decode_outcomes, encode_batch, encode_command
 
-from ..helpers import InProcessDaemon, assert_matches_model, assert_moved, assert_untouched, fill_random, snapshot
+from ..helpers import (
+    SMALL,
+    InProcessDaemon,
+    assert_matches_model,
+    assert_moved,
+    assert_untouched,
+    config_for,
+    fill_random,
+    snapshot,
+)
 
 
 class PlanRecorder:
@@ -196,3 +208,88 @@ def test_duplicate_req_ids_in_a_batch_are_refused_as_ever(
     assert [(o.req_id, o.code) for o in replies] == [(5, ErrorCode.DUPLICATE_REQ_ID)]
     assert sorted((o.req_id, o.code) for o in got) == [(5, ErrorCode.OK), (6, ErrorCode.OK)]
     assert recorder.planned == []  # refused before any group was planned
+
+
+class PerCommandOnly:
+    """A planner that never groups: the daemon judges every command on its own."""
+
+    def plan(self, identity: bytes, cmds: list[Any], received: float) -> None:
+        return None
+
+
+class Side:
+    """A daemon, its runner's cache (same bytes on both sides) and an engine client."""
+
+    def __init__(self, tmp: Path, grouped: bool, stack: contextlib.ExitStack) -> None:
+        self.daemon = InProcessDaemon(config_for(tmp / "rt")).start()
+        stack.callback(self.daemon.stop)
+        assert self.daemon.daemon is not None
+        dispatcher = self.daemon.daemon.dispatcher
+        self.planner = PlanRecorder(dispatcher.groups)
+        dispatcher.groups = self.planner if grouped else PerCommandOnly()  # type: ignore[assignment]
+        self.cache = stack.enter_context(ShmKVCache(SMALL))
+        fill_random(self.cache, seed=25)
+        runner = stack.enter_context(RunnerClient(self.daemon.endpoint))
+        stack.enter_context(runner.attached(self.cache))
+        self.engine = EngineClient([self.daemon.endpoint], timeout_s=20)
+        self.engine.connect()
+        stack.callback(self.engine.close)
+
+    def host_bytes(self, host_blocks: int) -> list[torch.Tensor]:
+        """Every host block's bytes, read back through the device cache (which it overwrites)."""
+        out: list[torch.Tensor] = []
+        blocks = self.cache.layout.num_blocks
+        for first in range(0, host_blocks, blocks):
+            hosts = list(range(first, min(first + blocks, host_blocks)))
+            assert self.run([(MsgType.SWAP_IN, {"device_ids": list(range(len(hosts))), "host_ids": hosts})]) == [0]
+            out += [t[: len(hosts)].clone() for t in snapshot(self.cache)]
+        return out
+
+    def run(self, batch: list[tuple[MsgType, dict[str, Any]]]) -> list[int]:
+        with self.engine.batch():
+            req_ids = [self.engine.submit(op, fields) for op, fields in batch]
+        done = _done(self.engine, req_ids)
+        return [_code(done, r) for r in req_ids]
+
+
+def _random_swap(rng: random.Random, device_blocks: int, host_blocks: int) -> tuple[MsgType, dict[str, Any]]:
+    """A swap that is valid most of the time, else wrong in one of the ways a daemon refuses."""
+    n = rng.randint(1, 3)
+    device, host = rng.sample(range(device_blocks), n), rng.sample(range(host_blocks), n)
+    fault = rng.random()
+    if fault < 0.04:
+        device[0] = device_blocks + rng.randint(0, 5)  # ID_OUT_OF_RANGE
+    elif fault < 0.08 and n > 1:
+        host.pop()  # LENGTH_MISMATCH
+    op = MsgType.SWAP_OUT if rng.random() < 0.5 else MsgType.SWAP_IN
+    fields: dict[str, Any] = {"device_ids": device, "host_ids": host}
+    owner = rng.choice([None, None, "a", "b"])  # a SWAP_IN naming the wrong one: HOST_BLOCK_CHANGED
+    if owner is not None:
+        fields["owner"] = owner
+    if rng.random() < 0.04:
+        fields["not_after"] = time.time() - 60  # EXPIRED
+    return op, fields
+
+
+def test_grouped_and_per_command_daemons_give_the_same_outcomes(short_tmp: Path) -> None:
+    """The same random batches (some valid and disjoint, some conflicting, some with refusals)
+    to a daemon that groups and to one that never does: the same code for every command, the
+    same device bytes and the same host bytes at the end."""
+    rng = random.Random(25)
+    with contextlib.ExitStack() as stack:
+        grouped = Side(short_tmp / "grouped", True, stack)
+        single = Side(short_tmp / "single", False, stack)
+        device_blocks, host_blocks = SMALL.num_blocks, 64
+        codes: set[int] = set()
+        for _ in range(80):
+            batch = [_random_swap(rng, device_blocks, host_blocks) for _ in range(rng.randint(2, 6))]
+            got = grouped.run(batch)
+            assert got == single.run(batch), batch
+            codes.update(got)
+        for a, b in zip(snapshot(grouped.cache), snapshot(single.cache)):
+            assert torch.equal(a, b)
+        for a, b in zip(grouped.host_bytes(host_blocks), single.host_bytes(host_blocks)):
+            assert torch.equal(a, b)
+        planned = grouped.planner.planned
+        assert 0 < sum(1 for p in planned if p is not None) < len(planned), planned  # both paths taken
+    assert {ErrorCode.OK, ErrorCode.ID_OUT_OF_RANGE, ErrorCode.HOST_BLOCK_CHANGED, ErrorCode.EXPIRED} <= codes
