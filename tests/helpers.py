@@ -178,29 +178,38 @@ class RawClient:
         self.ctx.term()
 
 
+class SwapModel:
+    """The sequential model of random swaps: for each device block, the original block it
+    must hold once every swap submitted so far completed (as if run one by one)."""
+
+    def __init__(self, device_blocks: int, host_blocks: int) -> None:
+        self.device = list(range(device_blocks))
+        self.host: list[int | None] = [None] * host_blocks
+
+    def submit_random(self, engine: Any, rng: Any, max_blocks: int = 6) -> int | None:
+        """Submits one random swap of 1..max_blocks blocks (None: a swap-in with nothing to read)."""
+        n = rng.randint(1, max_blocks)
+        dev_ids, host_ids = rng.sample(range(len(self.device)), n), rng.sample(range(len(self.host)), n)
+        if rng.random() < 0.5:
+            for d, h in zip(dev_ids, host_ids):
+                self.host[h] = self.device[d]
+            return int(engine.swap_out(dev_ids, host_ids))
+        pairs = [(d, h) for d, h in zip(dev_ids, host_ids) if self.host[h] is not None]
+        if not pairs:
+            return None
+        for d, h in pairs:
+            self.device[d] = self.host[h]  # type: ignore[assignment]
+        return int(engine.swap_in([d for d, _ in pairs], [h for _, h in pairs]))
+
+
 def submit_random_pipeline(
     engine: Any, rng: Any, device_blocks: int, host_blocks: int, commands: int = 300
 ) -> tuple[list[int], list[int]]:
     """Sends ``commands`` random, conflicting swaps without waiting. Returns their req_ids and
-    the sequential model's answer: for each device block, the original block it must hold
-    once they all completed (as if run one by one)."""
-    device = list(range(device_blocks))  # model: original block each device block holds
-    host: list[int | None] = [None] * host_blocks
-    req_ids = []
-    for _ in range(commands):
-        n = rng.randint(1, 6)
-        dev_ids, host_ids = rng.sample(range(device_blocks), n), rng.sample(range(host_blocks), n)
-        if rng.random() < 0.5:
-            req_ids.append(engine.swap_out(dev_ids, host_ids))
-            for d, h in zip(dev_ids, host_ids):
-                host[h] = device[d]
-            continue
-        pairs = [(d, h) for d, h in zip(dev_ids, host_ids) if host[h] is not None]
-        if pairs:
-            req_ids.append(engine.swap_in([d for d, _ in pairs], [h for _, h in pairs]))
-            for d, h in pairs:
-                device[d] = host[h]  # type: ignore[assignment]
-    return req_ids, device
+    the sequential model's answer (SwapModel.device)."""
+    model = SwapModel(device_blocks, host_blocks)
+    submitted = (model.submit_random(engine, rng) for _ in range(commands))
+    return [r for r in submitted if r is not None], model.device
 
 
 def assert_matches_model(cache: Any, original: Sequence[torch.Tensor], expected: Sequence[int]) -> None:

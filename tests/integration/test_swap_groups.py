@@ -21,6 +21,7 @@ from cachexferd.protocol import ErrorCode, Hello, MsgType, Outcome, decode_outco
 from ..helpers import (
     SMALL,
     InProcessDaemon,
+    SwapModel,
     assert_matches_model,
     assert_moved,
     assert_untouched,
@@ -147,28 +148,15 @@ def test_random_batches_match_the_sequential_model(
     fill_random(shm_cache, seed=24)
     original = snapshot(shm_cache)
     rng = random.Random(24)
-    device_blocks, host_blocks = shm_cache.layout.num_blocks, 64
-    device = list(range(device_blocks))  # the original block each device block holds
-    host: list[int | None] = [None] * host_blocks
+    model = SwapModel(shm_cache.layout.num_blocks, 64)
     req_ids: list[int] = []
     with RunnerClient(inproc.endpoint) as runner, runner.attached(shm_cache):
         for _ in range(120):
             with engine.batch():
-                for _ in range(rng.randint(2, 6)):
-                    n = rng.randint(1, 3)
-                    dev_ids, host_ids = rng.sample(range(device_blocks), n), rng.sample(range(host_blocks), n)
-                    if rng.random() < 0.5:
-                        req_ids.append(engine.swap_out(dev_ids, host_ids))
-                        for d, h in zip(dev_ids, host_ids):
-                            host[h] = device[d]
-                        continue
-                    pairs = [(d, h) for d, h in zip(dev_ids, host_ids) if host[h] is not None]
-                    if pairs:
-                        req_ids.append(engine.swap_in([d for d, _ in pairs], [h for _, h in pairs]))
-                        for d, h in pairs:
-                            device[d] = host[h]  # type: ignore[assignment]
+                submitted = [model.submit_random(engine, rng, max_blocks=3) for _ in range(rng.randint(2, 6))]
+            req_ids += [r for r in submitted if r is not None]
         _ok(engine, req_ids)
-    assert_matches_model(shm_cache, original, device)
+    assert_matches_model(shm_cache, original, model.device)
     grouped = sum(1 for p in recorder.planned if p is not None)
     assert 0 < grouped < len(recorder.planned), recorder.planned  # both paths were taken
 
