@@ -63,19 +63,14 @@ class Outcomes:
         as_reply: bool = False,
     ) -> None:  # fmt: skip
         """``send``, for a caller that has just looked up the sender's session."""
-        op, req_id, received = req.op, req.req_id, req.received
-        arrivals = self._decided.get((op, code))
-        if arrivals is None:
-            self._decided[(op, code)] = {received: 1}
-            self._schedule()
-        else:
-            arrivals[received] = arrivals.get(received, 0) + 1
+        op, req_id = req.op, req.req_id
+        self._note(op, code, req.received, 1)
         if code and log.isEnabledFor(logging.DEBUG):  # the names cost more than the check
             log.debug("%s req_id=%d -> %s: %s", op_name(op), req_id, code_name(code), detail)
         if as_reply or op not in ASYNC_TYPES or not req_id or session is None or session.events is None:
             self._reply(req.identity, self._encode(MsgType.REPLY, req_id, op, code, detail, result))
         elif session.batch_events:
-            self._queue(session.events, [req_id, op, code, detail, result])
+            self._queue(session.events, [[req_id, op, code, detail, result]])
         elif not self.sinks.send(session.events, self._encode(MsgType.EVENT, req_id, op, code, detail, result)):
             self.metrics.events_dropped.inc()
 
@@ -88,35 +83,33 @@ class Outcomes:
             for cmd, own in zip(group.cmds, results):
                 self.send_to(session, Request(group.identity, cmd, group.received), code, detail, own)
             return
-        op, count, received = group.op, len(group.cmds), group.received
+        op = group.op
+        self._note(op, code, group.received, len(group.cmds))
+        if code and log.isEnabledFor(logging.DEBUG):
+            log.debug("%r -> %s: %s", group, code_name(code), detail)
+        self._queue(session.events, [[cmd.req_id, op, code, detail, own] for cmd, own in zip(group.cmds, results)])
+
+    def _note(self, op: int, code: int, received: float, count: int) -> None:
+        """Counts ``count`` outcomes of one arrival time for the next flush's accounting."""
         arrivals = self._decided.get((op, code))
         if arrivals is None:
             self._decided[(op, code)] = {received: count}
             self._schedule()
         else:
             arrivals[received] = arrivals.get(received, 0) + count
-        if code and log.isEnabledFor(logging.DEBUG):
-            log.debug("%r -> %s: %s", group, code_name(code), detail)
-        entries = [[cmd.req_id, op, code, detail, own] for cmd, own in zip(group.cmds, results)]
-        pending = self._pending.get(session.events)
-        if pending is None:
-            self._pending[session.events] = entries
-            self._schedule()
-        else:
-            pending += entries
 
     def _encode(
         self, kind: MsgType, req_id: int, op: int, code: int, detail: str, result: dict[str, Any]
     ) -> list[bytes]:
         return encode_outcome_fields(kind, req_id, self.boot_id, self.rank, op, int(code), detail, result)
 
-    def _queue(self, endpoint: str, entry: list[Any]) -> None:
-        entries = self._pending.get(endpoint)
-        if entries is None:
-            self._pending[endpoint] = [entry]
+    def _queue(self, endpoint: str, entries: list[list[Any]]) -> None:
+        pending = self._pending.get(endpoint)
+        if pending is None:
+            self._pending[endpoint] = entries
             self._schedule()
         else:
-            entries.append(entry)
+            pending += entries
 
     def _schedule(self) -> None:
         if not self._scheduled:

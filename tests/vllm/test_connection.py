@@ -226,3 +226,20 @@ def test_failures_are_logged_once_per_burst_with_counts(caplog: pytest.LogCaptur
     assert failures.lines == 1
     (line,) = [r.getMessage() for r in caplog.records]
     assert "500 transfer(s) failed" in line and "load: 400, store: 100" in line and "job 0" in line
+
+
+def test_a_burst_names_every_daemon_error_it_carried(caplog: pytest.LogCaptureFixture) -> None:
+    from cachexferd.integrations.vllm.failures import FailureLog
+
+    failures = FailureLog(gap_s=0.05)
+    with caplog.at_level("WARNING", logger="vllm.cachexferd"):
+        failures.note("load", "load job 6: the manager could not place every block")
+        failures.note("load", "load job 7: swap_in #12 failed: rank 0: HOST_BLOCK_CHANGED (host block 3 ...)")
+        failures.note("store", "store job 8: swap_out #13 failed: rank 1: DAEMON_LOST (gone)")
+        time.sleep(0.1)
+        failures.flush()
+        failures.note("load", "load job 9: not done after 5.00s")  # the next burst starts afresh
+        failures.flush(force=True)
+    first, second = [r.getMessage() for r in caplog.records]
+    assert "errors: DAEMON_LOST, HOST_BLOCK_CHANGED;" in first and "first: load: load job 6" in first
+    assert "errors" not in second and "load: 1;" in second

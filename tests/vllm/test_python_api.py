@@ -139,9 +139,16 @@ def test_second_run_loads_through_the_daemon_and_matches_vllm_without_it(
     llm: Any, daemons: list[DaemonProcess], reference: Reference
 ) -> None:
     daemon = daemons[-1]
+    swap_outs = ops(daemon, "swap_out")
     first = generate(llm, PROMPTS[0])
     assert first[2] == 0
     assert first[:2] == reference.outputs[0][:2]
+    # vLLM submits a request's stores at a later step, and learns at a later one still that
+    # they finished: drive steps (a one-block prompt) until the daemon has done prompt 0's,
+    # then one more, so that the second run finds its blocks on the host.
+    wait_for(lambda: bool(generate(llm, PROMPTS[39][:40])) and ops(daemon, "swap_out") > swap_outs, 30,
+             "prompt 0's blocks to reach the host")  # fmt: skip
+    generate(llm, PROMPTS[39][:40])
     reset_gpu_cache(llm)
     swap_ins = ops(daemon, "swap_in")
     again = generate(llm, PROMPTS[0])
@@ -204,7 +211,7 @@ def test_a_host_cache_changed_under_vllm_is_never_served(
     time.sleep(2.2)  # a burst of failures is reported once it is over, in one line with counts
     generate(llm, PROMPTS[4])
     bursts = [line for line in vllm_log.lines if "transfer(s) failed over" in line]
-    assert 1 <= len(bursts) <= 2 and "HOST_BLOCK_CHANGED" in bursts[0], vllm_log.lines
+    assert 1 <= len(bursts) <= 2 and any("errors: HOST_BLOCK_CHANGED" in line for line in bursts), vllm_log.lines
 
 
 def test_a_stopped_daemon_costs_a_request_at_most_a_second(
