@@ -351,7 +351,7 @@ class CpuDeviceCache(DeviceCache):
         pairs = _block_pairs(requests, to_host)
         if pairs is not None:  # the common batch: straight to one copy per group
             for group in self.groups:
-                _copy_singles(group, to_host, *pairs)
+                _copy_pairs(group, to_host, *pairs)
             return [None] * len(requests)
         items = [plan_item(i, r.device_ids, r.host_ids) for i, r in enumerate(requests)]
         failed = self._copy_shard(direction, items, [r.cancel for r in requests])
@@ -387,10 +387,10 @@ class CpuDeviceCache(DeviceCache):
                     singles_src += single_host
                     singles_dst += single_device
                 if len(singles_src) >= _FOREACH_BATCH:
-                    _copy_singles(group, to_host, singles_src, singles_dst)
+                    _copy_pairs(group, to_host, singles_src, singles_dst)
                     singles_src, singles_dst = [], []
             if singles_src:
-                _copy_singles(group, to_host, singles_src, singles_dst)
+                _copy_pairs(group, to_host, singles_src, singles_dst)
         return failed
 
     def close(self) -> None:
@@ -456,7 +456,7 @@ def _block_pairs(requests: Sequence[SwapRequest], to_host: bool) -> tuple[list[i
     return (device, host) if to_host else (host, device)
 
 
-def _copy_singles(group: TensorGroup, to_host: bool, src_ids: list[int], dst_ids: list[int]) -> None:
+def _copy_pairs(group: TensorGroup, to_host: bool, src_ids: list[int], dst_ids: list[int]) -> None:
     """Copies block ``src_ids[i]`` to block ``dst_ids[i]`` of every tensor in the group, in
     one call. Destinations never repeat within a batch (a command's destination ids are
     unique, and two commands writing one block are never ready together)."""

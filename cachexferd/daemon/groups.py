@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..backends.base import Direction
+from ..backends.base import DeviceCache, Direction
 from ..protocol import Command, MsgType, ProtocolError, SwapIn, SwapOut
 from . import validate
 from .jobs import Copy, Job
@@ -87,23 +87,26 @@ class SwapGroups:
         if not {type(cmd) for cmd in cmds} <= _SWAPS:
             return None
         try:
-            self._check_state(cmds)
+            cache, host_blocks = self._check_state(cmds)
         except ProtocolError:
             return None
         outs = [cmd for cmd in cmds if cmd.TYPE is MsgType.SWAP_OUT]
         ins = [cmd for cmd in cmds if cmd.TYPE is MsgType.SWAP_IN] if len(outs) < len(cmds) else []
         out_ids, in_ids = _pairs(outs), _pairs(ins)
-        if out_ids is None or in_ids is None or not self._fits(out_ids, in_ids) or not self._current(ins, in_ids[1]):
+        if out_ids is None or in_ids is None or not _fit(out_ids, in_ids, cache.layout.num_blocks, host_blocks):
+            return None
+        if not self._current(ins, in_ids[1]):
             return None
         if outs:
             self._stamp(outs, out_ids[1])
-        return [self._group(identity, part, ids, direction, received)
+        return [_group(identity, cache, part, ids, direction, received)
                 for part, ids, direction in ((outs, out_ids, Direction.D2H), (ins, in_ids, Direction.H2D))
                 if part]  # fmt: skip
 
-    def _check_state(self, cmds: list[Command]) -> None:
+    def _check_state(self, cmds: list[Command]) -> tuple[DeviceCache, int]:
         """What every swap's admission and handler check before its ids: the same order, the
-        same errors (which send the batch to the per-command path)."""
+        same errors (which send the batch to the per-command path). Returns the attached
+        cache and the number of host blocks."""
         admit = self._admit
         for cmd in cmds:
             admit(cmd)
@@ -112,20 +115,8 @@ class SwapGroups:
             not_after = cmd.not_after  # type: ignore[attr-defined]
             if not_after is not None:
                 validate.require_in_time(not_after)
-        self.device.require()
-        self.host.require_geometry()
-
-    def _fits(self, out_ids: tuple[list[int], list[int]], in_ids: tuple[list[int], list[int]]) -> bool:
-        """Every id in range, and no device or host block named twice in the whole batch."""
-        device, host = out_ids[0] + in_ids[0], out_ids[1] + in_ids[1]
-        if not device:
-            return True
-        device_blocks = self.device.require().layout.num_blocks
-        host_blocks = self.host.require_geometry().num_blocks
-        return (
-            min(device) >= 0 and max(device) < device_blocks and min(host) >= 0 and max(host) < host_blocks
-            and len(set(device)) == len(device) and len(set(host)) == len(host)
-        )  # fmt: skip
+        cache = self.device.require()
+        return cache, self.host.require_geometry().num_blocks
 
     def _current(self, ins: list[Command], host_ids: list[int]) -> bool:
         """The blocks SWAP_INs read hold the current weights and, where named, their owner's KV."""
@@ -150,15 +141,28 @@ class SwapGroups:
         for cmd in outs:
             self.host.stamp(cmd.host_ids, cmd.owner)  # type: ignore[attr-defined]
 
-    def _group(
-        self, identity: bytes, cmds: list[Command], ids: tuple[list[int], list[int]], direction: Direction,
-        received: float,
-    ) -> SwapGroup:  # fmt: skip
-        cache = self.device.require()
-        device_ids, host_ids = ids
-        copy = _new_tuple(Copy, (cache, direction, device_ids, host_ids))
-        job: Job = _new_tuple(Job, (swap_access(device_ids, host_ids, direction is Direction.D2H), None, copy))
-        return SwapGroup(identity, cmds, received, job, cache.layout.host_block_bytes)
+
+def _group(
+    identity: bytes, cache: DeviceCache, cmds: list[Command], ids: tuple[list[int], list[int]], direction: Direction,
+    received: float,
+) -> SwapGroup:  # fmt: skip
+    device_ids, host_ids = ids
+    copy = _new_tuple(Copy, (cache, direction, device_ids, host_ids))
+    job: Job = _new_tuple(Job, (swap_access(device_ids, host_ids, direction is Direction.D2H), None, copy))
+    return SwapGroup(identity, cmds, received, job, cache.layout.host_block_bytes)
+
+
+def _fit(
+    out_ids: tuple[list[int], list[int]], in_ids: tuple[list[int], list[int]], device_blocks: int, host_blocks: int
+) -> bool:
+    """Every id in range, and no device or host block named twice in the whole batch."""
+    device, host = out_ids[0] + in_ids[0], out_ids[1] + in_ids[1]
+    if not device:
+        return True
+    return (
+        min(device) >= 0 and max(device) < device_blocks and min(host) >= 0 and max(host) < host_blocks
+        and len(set(device)) == len(device) and len(set(host)) == len(host)
+    )  # fmt: skip
 
 
 def _pairs(cmds: Sequence[Command]) -> tuple[list[int], list[int]] | None:
@@ -166,6 +170,6 @@ def _pairs(cmds: Sequence[Command]) -> tuple[list[int], list[int]] | None:
     differ in length (LENGTH_MISMATCH is the per-command path's to give)."""
     device = [i for cmd in cmds for i in cmd.device_ids]  # type: ignore[attr-defined]
     host = [i for cmd in cmds for i in cmd.host_ids]  # type: ignore[attr-defined]
-    if len(device) != len(host) or any(len(cmd.device_ids) != len(cmd.host_ids) for cmd in cmds):  # type: ignore[attr-defined]
+    if any(len(cmd.device_ids) != len(cmd.host_ids) for cmd in cmds):  # type: ignore[attr-defined]
         return None
     return device, host
