@@ -14,6 +14,9 @@ from .rig import make_tiny_model
 # The Python-API tests run vLLM's engine core in the test process (with the "uni" executor,
 # its worker too): no process spawns, which saves most of a minute per engine on 2 cores.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM's own ipc sockets (engine core, API server) go to a directory removed at exit, not /tmp.
+_VLLM_SOCKETS = tempfile.TemporaryDirectory(prefix="cxv-rpc-")
+os.environ.setdefault("VLLM_RPC_BASE_PATH", _VLLM_SOCKETS.name)
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -254,6 +255,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["faults"] = fault_phase(args, {"recompute": plain, "cachexferd": plugged}, daemon)
     finally:
         daemon.stop()
+        shutil.rmtree(root, ignore_errors=True)  # the model and the store: tens of MB per run
     result["rows"] = rows
     result["daemon"] = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     return result
