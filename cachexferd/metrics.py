@@ -40,6 +40,7 @@ class DaemonMetrics:
             }
         )
         self.commands = CommandStats(r)
+        self.batches = BatchStats(r)
         self.transfer_bytes = Counter(
             "cachexferd_transfer_bytes_total",
             "Bytes moved, by direction (d2h, h2d, store, load)",
@@ -97,6 +98,29 @@ class DaemonMetrics:
                 server.server_close()
 
             threading.Thread(target=close, name="metrics-stop", daemon=True).start()
+
+
+class BatchStats:
+    """How commands arrive: in BATCH envelopes, and how many of a BATCH's swaps were checked
+    and copied together as a group. Plain integers the loop thread adds to (a Counter's
+    lock per envelope is not needed: the scrape only reads them)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.envelopes = 0
+        self.commands = 0
+        self.grouped_swaps = 0
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self.collect()
+
+    def collect(self) -> Iterator[Metric]:
+        for name, text, value in (
+            ("cachexferd_batches", "BATCH envelopes received", self.envelopes),
+            ("cachexferd_batched_commands", "Commands that arrived in BATCH envelopes", self.commands),
+            ("cachexferd_grouped_swaps", "Swaps of a BATCH checked and copied together as a group", self.grouped_swaps),
+        ):
+            yield CounterMetricFamily(name, text, value=value)
 
 
 class CommandStats:

@@ -32,6 +32,7 @@ from .groups import SwapGroup, SwapGroups
 from .request import Request
 
 if TYPE_CHECKING:
+    from ..metrics import BatchStats
     from .handlers import Handlers
     from .jobs import Jobs
     from .outcomes import Outcomes
@@ -53,7 +54,7 @@ class Dispatcher:
 
     def __init__(
         self, handlers: Handlers, jobs: Jobs, outcomes: Outcomes, sessions: Sessions, max_inflight: int,
-        admit: Admit, spawn: Spawn, groups: SwapGroups,
+        admit: Admit, spawn: Spawn, groups: SwapGroups, batch_stats: BatchStats,
     ) -> None:  # fmt: skip
         self.handlers, self.jobs, self.outcomes, self.sessions = handlers, jobs, outcomes, sessions
         self.max_inflight, self._admit, self._spawn = max_inflight, admit, spawn
@@ -62,6 +63,7 @@ class Dispatcher:
         self._accepted: list[Request] = []  # asynchronous commands accepted, not yet registered
         self._accepted_commands = 0  # how many commands those hold (a group holds several)
         self.groups = groups
+        self.batch_stats = batch_stats
 
     # Frames ---------------------------------------------------------------------------
 
@@ -70,9 +72,12 @@ class Dispatcher:
         cmds = decode_commands(frames)  # the typed fast path: well-formed traffic
         if cmds is None:
             self._on_checked_frames(identity, frames, received)
-        elif len(cmds) == 1 or not self._accept_groups(identity, cmds, received):
-            for cmd in cmds:  # in order, exactly as if they had arrived one by one
-                self.accept(Request(identity, cmd, received))
+        else:
+            if frames[0][3] == MsgType.BATCH:
+                self._count_batch(len(cmds))
+            if len(cmds) == 1 or not self._accept_groups(identity, cmds, received):
+                for cmd in cmds:  # in order, exactly as if they had arrived one by one
+                    self.accept(Request(identity, cmd, received))
         self._register_accepted()
 
     def _on_checked_frames(self, identity: bytes, frames: list[bytes], received: float) -> None:
@@ -86,6 +91,7 @@ class Dispatcher:
         except ProtocolError as exc:
             self._refuse(identity, exc, received)
             return
+        self._count_batch(len(items))
         for item in items:
             try:
                 cmd = batch_item(item)
@@ -93,6 +99,11 @@ class Dispatcher:
                 self._refuse(identity, exc, received)
                 continue
             self.accept(Request(identity, cmd, received))
+
+    def _count_batch(self, commands: int) -> None:
+        stats = self.batch_stats
+        stats.envelopes += 1
+        stats.commands += commands
 
     def _refuse(self, identity: bytes, exc: ProtocolError, received: float) -> None:
         self.outcomes.send(Request.refused(identity, exc, received), exc.code, exc.detail, {})
@@ -143,6 +154,7 @@ class Dispatcher:
             self._accepted.append(group)
             self._accepted_commands += group.weight
         session.inflight += len(cmds)
+        self.batch_stats.grouped_swaps += len(cmds)
         return True
 
     def _start_job(self, req: Request, cmd: Command) -> None:

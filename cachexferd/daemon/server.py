@@ -146,7 +146,7 @@ class Daemon:
         groups = SwapGroups(self.device, self.host, self.pausing, self._admit)
         self.dispatcher = Dispatcher(
             handlers, self.jobs, self.outcomes, self.sessions, config.daemon.max_inflight, self._admit, self.spawn,
-            groups,
+            groups, self.metrics.batches,
         )  # fmt: skip
         self.jobs.on_complete(self.dispatcher.job_done, self.dispatcher.jobs_done)  # straight there
         self.router: zmq.Socket[Any] | None = None

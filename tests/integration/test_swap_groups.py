@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 import zmq
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cachexferd.client import EngineClient, RunnerClient, ShmKVCache
 from cachexferd.daemon.groups import SwapGroup, SwapGroups
@@ -54,6 +56,19 @@ def recorder(inproc: InProcessDaemon) -> PlanRecorder:
     return recorder
 
 
+def _batch_counts(inproc: InProcessDaemon) -> tuple[float, float, float]:
+    """(BATCH envelopes, commands they carried, swaps grouped), as a scrape shows them."""
+    assert inproc.daemon is not None
+    text = generate_latest(inproc.daemon.metrics.registry).decode()
+    samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    names = ("cachexferd_batches_total", "cachexferd_batched_commands_total", "cachexferd_grouped_swaps_total")
+    return samples[names[0]], samples[names[1]], samples[names[2]]
+
+
+def _since(before: tuple[float, ...], after: tuple[float, ...]) -> tuple[float, ...]:
+    return tuple(a - b for a, b in zip(after, before))
+
+
 def _done(engine: EngineClient, req_ids: list[int]) -> dict[int, Any]:
     return engine.wait(req_ids, timeout_s=20)
 
@@ -80,6 +95,7 @@ def test_disjoint_swaps_of_both_directions_are_grouped_and_exact(
     block_bytes = shm_cache.layout.host_block_bytes
     with RunnerClient(inproc.endpoint) as runner, runner.attached(shm_cache):
         _ok(engine, [engine.swap_out([30, 31, 32, 33, 34, 35], [200, 201, 202, 203, 204, 205])])
+        counts = _batch_counts(inproc)
         with engine.batch():
             outs = [engine.swap_out([s], [h]) for s, h in zip(src, host)]
             outs.append(engine.swap_out([20, 21, 22], [150, 151, 152]))
@@ -87,6 +103,7 @@ def test_disjoint_swaps_of_both_directions_are_grouped_and_exact(
                    engine.swap_in([43, 44, 45], [203, 204, 205])]  # fmt: skip
         results = _ok(engine, outs + ins)
         assert recorder.planned == [[9, 3]]  # one group per direction
+        assert _since(counts, _batch_counts(inproc)) == (1, 12, 12)
         sizes = [1] * 8 + [3] + [2, 1, 3]
         assert [r["blocks"] for r in results] == sizes
         assert [r["bytes"] for r in results] == [n * block_bytes for n in sizes]
@@ -124,6 +141,7 @@ def test_a_batch_that_cannot_be_grouped_is_judged_command_by_command(
 ) -> None:
     fill_random(shm_cache, seed=23)
     before = snapshot(shm_cache)
+    counts = _batch_counts(inproc)
     with RunnerClient(inproc.endpoint) as runner, runner.attached(shm_cache):
         with engine.batch():  # one id out of range: only that command is refused
             bad = [engine.swap_out([1], [1]), engine.swap_out([999], [2]), engine.swap_out([3], [3])]
@@ -133,6 +151,7 @@ def test_a_batch_that_cannot_be_grouped_is_judged_command_by_command(
             uneven = [engine.swap_out([6, 8], [9]), engine.swap_out([10], [11])]
         done = _done(engine, bad + chained + uneven)
     assert recorder.planned == [None, None, None]
+    assert _since(counts, _batch_counts(inproc)) == (3, 7, 0)  # counted, none grouped
     assert [_code(done, r) for r in bad] == [ErrorCode.OK, ErrorCode.ID_OUT_OF_RANGE, ErrorCode.OK]
     assert [_code(done, r) for r in chained] == [ErrorCode.OK, ErrorCode.OK]
     assert [_code(done, r) for r in uneven] == [ErrorCode.LENGTH_MISMATCH, ErrorCode.OK]

@@ -157,6 +157,25 @@ def test_second_run_loads_through_the_daemon_and_matches_vllm_without_it(
     assert again[:2] == reference.outputs[0][:2], "loaded KV changed greedy tokens or logprobs"
 
 
+def test_the_stores_of_a_step_reach_the_daemon_as_one_batch(llm: Any, daemons: list[DaemonProcess]) -> None:
+    """Three new two-block prompts prefill in one step; their stores go out together at the
+    next one (the connector's handle_preemptions): one BATCH, whose swaps the daemon groups."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    daemon = daemons[-1]
+    wait_for(lambda: daemon_usable(llm), 30, "the plug-in's link to its daemon")
+    grouped = metric(daemon, "cachexferd_grouped_swaps_total")
+    prompts = [{"prompt_token_ids": prompt(100 + seed, 2 * BLOCK + 8)} for seed in range(3)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    deadline = time.monotonic() + 20
+    while metric(daemon, "cachexferd_grouped_swaps_total") - grouped < 3 and time.monotonic() < deadline:
+        generate(llm, PROMPTS[39][:40])  # engine steps: the stores go out at the next one
+    more = metric(daemon, "cachexferd_grouped_swaps_total") - grouped
+    stats = get_kv_transfer_group().connector_worker.worker.stats
+    assert more >= 3, f"{more:g} swaps came grouped: the three stores went out apart (worker: {stats})"
+
+
 def test_blocks_evicted_from_the_host_tier_come_back_from_storage(
     llm: Any, daemons: list[DaemonProcess], reference: Reference
 ) -> None:

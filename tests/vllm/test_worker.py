@@ -25,7 +25,7 @@ from cachexferd.integrations.vllm.worker import CachexferdWorker, WorkerTimes
 from cachexferd.launch import DaemonProcess
 from cachexferd.storage.objects import HEADER_BYTES
 
-from ..helpers import SMALL
+from ..helpers import SMALL, assert_moved, assert_untouched, fill_random, snapshot
 from .rig import metric, ops, start_daemon, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
@@ -98,6 +98,41 @@ def test_a_hang_it_cannot_see_is_given_up_and_the_late_copy_refused(
         worker.get_finished()
         time.sleep(0.1)
     assert metric(daemon, "cachexferd_commands_total", op="store", outcome="ok") == 0
+
+
+BATCH_METRICS = ("cachexferd_batches_total", "cachexferd_batched_commands_total", "cachexferd_grouped_swaps_total")
+
+
+def all_finished(worker: CachexferdWorker, job_ids: set[int], timeout_s: float) -> None:
+    left, deadline = set(job_ids), time.monotonic() + timeout_s
+    while left and time.monotonic() < deadline:
+        left -= {r.job_id for r in worker.get_finished()}
+        time.sleep(0.01)
+    assert not left, f"jobs {sorted(left)} not finished in {timeout_s}s"
+
+
+def test_a_steps_jobs_reach_the_daemon_as_one_batch(rig: tuple[DaemonProcess, ShmKVCache, CachexferdWorker]) -> None:
+    """What vLLM submits at the start of a step (the connector wraps it in one_message) is
+    one BATCH: two stores, then a load with a store; the daemon groups each batch's swaps."""
+    daemon, cache, worker = rig
+    worker.get_finished(), worker.take_failed_keys(), worker.take_invalid_block_ids()  # earlier tests' leftovers
+    fill_random(cache, seed=31)
+    before = snapshot(cache)
+    counts = [metric(daemon, name) for name in BATCH_METRICS]
+    with worker.one_message():
+        assert worker.submit_store(31, gpu([20]), HostStoreSpec([key(31)], [31]))
+        assert worker.submit_store(32, gpu([21, 22]), HostStoreSpec([key(32), key(33)], [32, 33]))
+    all_finished(worker, {31, 32}, 10)
+    with worker.one_message():
+        assert worker.submit_load(33, HostLoadSpec("r", [key(31), key(32), key(33)], [31, 32, 33], [False] * 3),
+                                  gpu([23, 24, 25]))  # fmt: skip
+        assert worker.submit_store(34, gpu([26]), HostStoreSpec([key(34)], [34]))
+    all_finished(worker, {33, 34}, 10)
+    assert not worker.take_failed_keys() and not worker.take_invalid_block_ids()
+    assert_moved(cache, [23, 24, 25], before, [20, 21, 22])
+    assert_untouched(cache, before, [23, 24, 25])
+    now = [metric(daemon, name) for name in BATCH_METRICS]
+    assert [b - a for a, b in zip(counts, now)] == [2, 4, 4], "envelopes, commands in them, swaps grouped"
 
 
 def stored(worker: CachexferdWorker, daemon: DaemonProcess, count: int) -> bool:

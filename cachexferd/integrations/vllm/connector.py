@@ -11,6 +11,7 @@ and keeps failures on the side; this connector hands them on:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -78,6 +79,22 @@ class CachexferdConnector(OffloadingConnector):
         allocation = SegmentAllocation(backing_sizes(self._cx_kv_cache_config))
         worker.spec.allocation = allocation
         return allocation
+
+    # vLLM submits the previous step's stores in handle_preemptions (and in start_load_kv
+    # when it did not), and the step's loads in start_load_kv: each call's jobs reach the
+    # daemon as one message (CachexferdWorker.one_message).
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        with self._one_message():
+            super().handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        with self._one_message():
+            super().start_load_kv(forward_context, **kwargs)
+
+    def _one_message(self) -> AbstractContextManager[None]:
+        worker = self._cx_worker()
+        return worker.one_message() if worker is not None else contextlib.nullcontext()
 
     def _cx_worker(self) -> CachexferdWorker | None:
         worker = self.connector_worker.worker if self.connector_worker is not None else None

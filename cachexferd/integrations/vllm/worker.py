@@ -2,8 +2,9 @@
 
 Each store job becomes a SWAP_OUT (and, with write-through, a STORE of the same host blocks
 once the SWAP_OUT has succeeded); each load job a SWAP_IN (or a LOAD with device ids for
-blocks read from storage). Completions are drained by ``poll()`` when vLLM asks for finished
-jobs, once per step.
+blocks read from storage). The jobs vLLM submits at the start of a step reach the daemon as
+one BATCH (``one_message``), as do the write-through STOREs of a step. Completions are
+drained by ``poll()`` when vLLM asks for finished jobs, once per step.
 
 Never holding vLLM up:
 - a job is only sent to a daemon that is up and answering (connection.py); otherwise it
@@ -28,9 +29,10 @@ restarted daemon is refused by the daemon (HOST_BLOCK_CHANGED) instead of being 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +112,25 @@ class CachexferdWorker(OffloadingWorker):
         conn.on_keeper_tick.append(self._flush_failures)
 
     # Submission ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def one_message(self) -> Iterator[None]:
+        """The commands submitted inside go to the daemon together, as one BATCH, at the end
+        (vLLM submits a step's stores and loads in one go): one send for the engine, and the
+        daemon checks and copies disjoint swaps as a group. A connection lost meanwhile has
+        failed them already; a new one sends at once."""
+        with self.conn.lock:
+            client = self.conn.client
+            if client is None:
+                yield
+                return
+            client.autoflush = False
+            try:
+                yield
+            finally:
+                client.autoflush = True
+                if self.conn.client is client:
+                    client.flush()
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, HostStoreSpec)
@@ -283,8 +304,9 @@ class CachexferdWorker(OffloadingWorker):
             for write in writes:
                 self.failures.note("storage write", f"{len(write.keys)} blocks not written: daemon unavailable")
             return
-        for write in writes:
-            self._send_store(client, write.keys, write.host_ids, write.owner, write.parent)
+        with self.one_message():
+            for write in writes:
+                self._send_store(client, write.keys, write.host_ids, write.owner, write.parent)
 
     # Failures -------------------------------------------------------------------------------
 
