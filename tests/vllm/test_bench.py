@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ def test_tiny_benchmark_reports_both_engines(tmp_path: Path) -> None:
     # turns them off for the in-process tests): two in-process engines would share the
     # connector's per-process state.
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    scratch = set(Path(tempfile.gettempdir()).glob("cxb-*"))
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=540, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -38,6 +40,8 @@ def test_tiny_benchmark_reports_both_engines(tmp_path: Path) -> None:
     assert all(r["ttft_s"] > 0 and r["prompt_tokens"] >= 160 for r in rows), rows
     assert data["daemon"]['cachexferd_transfer_bytes_total{direction="d2h"}'] > 0, data["daemon"]
     assert "first turns" in proc.stdout and "cachexferd" in proc.stdout
+    assert "cachexferd_batches_total" in data["daemon"] and "daemon commands:" in proc.stdout
+    assert set(Path(tempfile.gettempdir()).glob("cxb-*")) == scratch, "the benchmark left its scratch behind"
     memory = data["memory"]
     plain, plugged = memory["recompute"]["VmHWM"], memory["cachexferd"]["VmHWM"]
     assert memory["recompute"]["kv_bytes"] == 768 << 20 and plain > 768 << 20, memory

@@ -88,12 +88,16 @@ def ttft(llm: Any, tokens: list[int]) -> tuple[float, int]:
     return time.perf_counter() - start, int(out[0].num_cached_tokens or 0)
 
 
+_COUNTED = ("cachexferd_transfer_bytes_total", "cachexferd_batches_total ", "cachexferd_batched_commands_total ",
+            "cachexferd_grouped_swaps_total ")  # fmt: skip
+
+
 def daemon_counters(daemon: DaemonProcess) -> dict[str, float]:
     text = urllib.request.urlopen(daemon.status()["metrics_url"], timeout=10).read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
         ok_command = line.startswith("cachexferd_commands_total") and 'outcome="ok"' in line
-        if ok_command or line.startswith("cachexferd_transfer_bytes_total"):
+        if ok_command or line.startswith(_COUNTED):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
@@ -280,6 +284,10 @@ def summarize(result: dict[str, Any]) -> str:
     h2d = d.get('cachexferd_transfer_bytes_total{direction="h2d"}', 0)
     lines.append(f"daemon moved: d2h {d2h / 2**20:.1f} MiB ({d2h / bb:.0f} blocks), h2d {h2d / 2**20:.1f} MiB "
                  f"({h2d / bb:.0f} blocks), block {bb // 1024} KiB")  # fmt: skip
+    commands = sum(v for k, v in d.items() if k.startswith("cachexferd_commands_total"))
+    lines.append(f"daemon commands: {commands:.0f} ok, {d.get('cachexferd_batched_commands_total', 0):.0f} of them "
+                 f"in {d.get('cachexferd_batches_total', 0):.0f} BATCH messages, "
+                 f"{d.get('cachexferd_grouped_swaps_total', 0):.0f} swaps copied as groups")  # fmt: skip
     lines += _summarize_memory(result) + _summarize_faults(result)
     lines.append("load average at start: " + " ".join(f"{x:.2f}" for x in result["load_avg"]))
     return "\n".join(lines)
