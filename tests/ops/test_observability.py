@@ -94,7 +94,8 @@ def test_dashboard_uses_only_exported_metrics(exposition: str) -> None:
     assert used - known - FROM_PROMETHEUS == set(), f"not exported by the daemon: {used - known}"
     for family in ("cachexferd_transfer_bytes_total", "cachexferd_command_duration_seconds_bucket",
                    "cachexferd_commands_total", "cachexferd_host_cache_ready_bytes",
-                   "cachexferd_storage_errors_total", "cachexferd_attached_device_caches"):  # fmt: skip
+                   "cachexferd_storage_errors_total", "cachexferd_attached_device_caches",
+                   "cachexferd_batched_commands_total", "cachexferd_grouped_swaps_total"):  # fmt: skip
         assert family in used, f"the dashboard does not show {family}"
 
 
