@@ -113,7 +113,7 @@ def all_finished(worker: CachexferdWorker, job_ids: set[int], timeout_s: float) 
 
 def test_a_steps_jobs_reach_the_daemon_as_one_batch(rig: tuple[DaemonProcess, ShmKVCache, CachexferdWorker]) -> None:
     """What vLLM submits at the start of a step (the connector wraps it in one_message) is
-    one BATCH: two stores, then a load with a store; the daemon groups each batch's swaps."""
+    one BATCH: two stores, then a store and a load; the daemon groups each batch's swaps."""
     daemon, cache, worker = rig
     worker.get_finished(), worker.take_failed_keys(), worker.take_invalid_block_ids()  # earlier tests' leftovers
     fill_random(cache, seed=31)
@@ -124,9 +124,10 @@ def test_a_steps_jobs_reach_the_daemon_as_one_batch(rig: tuple[DaemonProcess, Sh
         assert worker.submit_store(32, gpu([21, 22]), HostStoreSpec([key(32), key(33)], [32, 33]))
     all_finished(worker, {31, 32}, 10)
     with worker.one_message():
+        with worker.one_message():  # nested (a wait inside a step's submissions): the outer one sends
+            assert worker.submit_store(34, gpu([26]), HostStoreSpec([key(34)], [34]))
         assert worker.submit_load(33, HostLoadSpec("r", [key(31), key(32), key(33)], [31, 32, 33], [False] * 3),
                                   gpu([23, 24, 25]))  # fmt: skip
-        assert worker.submit_store(34, gpu([26]), HostStoreSpec([key(34)], [34]))
     all_finished(worker, {33, 34}, 10)
     assert not worker.take_failed_keys() and not worker.take_invalid_block_ids()
     assert_moved(cache, [23, 24, 25], before, [20, 21, 22])

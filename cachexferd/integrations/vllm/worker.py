@@ -124,12 +124,12 @@ class CachexferdWorker(OffloadingWorker):
             if client is None:
                 yield
                 return
-            client.autoflush = False
+            outermost, client.autoflush = client.autoflush, False
             try:
                 yield
             finally:
-                client.autoflush = True
-                if self.conn.client is client:
+                client.autoflush = outermost
+                if outermost and self.conn.client is client:  # nested: the outer block sends
                     client.flush()
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
