@@ -2,9 +2,10 @@
 
 Each store job becomes a SWAP_OUT (and, with write-through, a STORE of the same host blocks
 once the SWAP_OUT has succeeded); each load job a SWAP_IN (or a LOAD with device ids for
-blocks read from storage). The jobs vLLM submits at the start of a step reach the daemon as
-one BATCH (``one_message``), as do the write-through STOREs of a step. Completions are
-drained by ``poll()`` when vLLM asks for finished jobs, once per step.
+blocks read from storage). What vLLM submits in one call (the previous step's stores, the
+step's loads) reaches the daemon as one BATCH (``one_message``), as do a step's
+write-through STOREs. Completions are drained by ``poll()`` when vLLM asks for finished
+jobs, once per step.
 
 Never holding vLLM up:
 - a job is only sent to a daemon that is up and answering (connection.py); otherwise it
@@ -116,8 +117,8 @@ class CachexferdWorker(OffloadingWorker):
     @contextlib.contextmanager
     def one_message(self) -> Iterator[None]:
         """The commands submitted inside go to the daemon together, as one BATCH, at the end
-        (vLLM submits a step's stores and loads in one go): one send for the engine, and the
-        daemon checks and copies disjoint swaps as a group. A connection lost meanwhile has
+        (the connector wraps each vLLM call that submits jobs): one send for the engine, and
+        the daemon checks and copies disjoint swaps as a group. A connection lost meanwhile has
         failed them already; a new one sends at once."""
         with self.conn.lock:
             client = self.conn.client
