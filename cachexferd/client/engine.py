@@ -5,7 +5,8 @@ turns readable): it drains every event and reply available, sends heartbeats, ex
 deadlines, and returns the commands that completed, each aggregated over all ranks.
 Commands go out as they are submitted; inside ``with client.batch():`` (or with
 ``autoflush=False``) they are queued and sent as one BATCH envelope per rank at the end of
-the block (or at the next ``flush()`` / ``poll()``)::
+the block (or at the next ``flush()`` / ``poll()``); a block inside another leaves the
+sending to the outer one::
 
     client = EngineClient(["ipc:///run/cachexferd/0/cmd.sock", "ipc:///run/cachexferd/1/cmd.sock"])
     client.connect()
@@ -105,6 +106,7 @@ class EngineClient(CommandMethods[int]):
         self._pull_fd = self._fds.add(self.pull)
         self._link_fds = [(self._fds.add(link.sock), self._fds.add(link.monitor)) for link in self.links]
         self._look_everywhere = True  # until the next _drain: a wait took in news without us
+        self._closed = False
 
     # Set-up ---------------------------------------------------------------------------
 
@@ -143,17 +145,23 @@ class EngineClient(CommandMethods[int]):
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[EngineClient]:
-        """Commands submitted inside the block go out together, one BATCH per rank, at its end."""
-        previous, self.autoflush = self.autoflush, False
+        """Commands submitted inside the block go out together, one BATCH per rank, at its end
+        (the end of the outermost block, when blocks nest; with ``autoflush=False``, at the
+        next ``flush()`` / ``poll()``)."""
+        outermost, self.autoflush = self.autoflush, False
         try:
             yield self
         finally:
-            self.autoflush = previous
-            self.flush()
+            self.autoflush = outermost
+            if outermost:
+                self.flush()
 
     def flush(self) -> None:
         """Sends every queued command; a rank that cannot be reached fails them at once.
-        Commands for a daemon that restarted wait for its new hello (with its new boot id)."""
+        Commands for a daemon that restarted wait for its new hello (with its new boot id).
+        A closed client sends nothing."""
+        if self._closed:
+            return
         for link in self.links:
             boot_id = self.core.boot_ids[link.index]
             if boot_id is None or not link.outbox:
@@ -281,6 +289,7 @@ class EngineClient(CommandMethods[int]):
         return self.call_all(Shutdown, timeout_s)
 
     def close(self) -> None:
+        self._closed = True
         for link in self.links:
             link.close()
         self.events.close()

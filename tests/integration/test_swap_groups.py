@@ -136,6 +136,36 @@ def test_a_command_behind_a_group_waits_for_it(
     assert_untouched(shm_cache, before, [40, 41, 42])
 
 
+def test_nested_batch_blocks_send_one_batch_at_the_outer_end(
+    inproc: InProcessDaemon, engine: EngineClient, shm_cache: ShmKVCache
+) -> None:
+    fill_random(shm_cache, seed=24)
+    before = snapshot(shm_cache)
+    with RunnerClient(inproc.endpoint) as runner, runner.attached(shm_cache):
+        counts = _batch_counts(inproc)
+        with engine.batch():
+            first = engine.swap_out([1], [11])
+            with engine.batch():
+                second = engine.swap_out([2], [12])
+            third = engine.swap_out([3], [13])
+        _ok(engine, [first, second, third])
+        assert _since(counts, _batch_counts(inproc)) == (1, 3, 3), "envelopes, commands, grouped"
+        _ok(engine, [engine.swap_in([40, 41, 42], [11, 12, 13])])
+    assert_moved(shm_cache, [40, 41, 42], before, [1, 2, 3])
+    assert_untouched(shm_cache, before, [40, 41, 42])
+
+
+def test_a_client_closed_inside_a_batch_block_sends_nothing(inproc: InProcessDaemon) -> None:
+    client = EngineClient([inproc.endpoint])
+    client.connect(timeout_s=10)
+    counts = _batch_counts(inproc)
+    with client.batch():
+        client.swap_out([1], [1])
+        client.swap_out([2], [2])
+        client.close()  # as when a connection is given up in the middle of a step
+    assert _since(counts, _batch_counts(inproc)) == (0, 0, 0)
+
+
 def test_a_batch_that_cannot_be_grouped_is_judged_command_by_command(
     inproc: InProcessDaemon, engine: EngineClient, shm_cache: ShmKVCache, recorder: PlanRecorder
 ) -> None:

@@ -118,20 +118,13 @@ class CachexferdWorker(OffloadingWorker):
     def one_message(self) -> Iterator[None]:
         """The commands submitted inside go to the daemon together, as one BATCH, at the end
         (the connector wraps each vLLM call that submits jobs): one send for the engine, and
-        the daemon checks and copies disjoint swaps as a group. A connection lost meanwhile has
-        failed them already; a new one sends at once."""
+        the daemon checks and copies disjoint swaps as a group. Blocks nest (the outermost
+        one sends). A connection lost meanwhile has failed them already (its closed client
+        sends nothing); a new one sends at once."""
         with self.conn.lock:
             client = self.conn.client
-            if client is None:
+            with client.batch() if client is not None else contextlib.nullcontext():
                 yield
-                return
-            outermost, client.autoflush = client.autoflush, False
-            try:
-                yield
-            finally:
-                client.autoflush = outermost
-                if outermost and self.conn.client is client:  # nested: the outer block sends
-                    client.flush()
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, HostStoreSpec)
