@@ -57,9 +57,10 @@ def gpu(ids: list[int]) -> GPULoadStoreSpec:
     return GPULoadStoreSpec(ids, group_sizes=[len(ids)], block_indices=[0])
 
 
-def finished(worker: CachexferdWorker, job_id: int, timeout_s: float) -> float:
-    """Seconds until vLLM would see ``job_id`` finished (polled like engine steps)."""
-    start = time.monotonic()
+def finished(worker: CachexferdWorker, job_id: int, timeout_s: float, start: float | None = None) -> float:
+    """Seconds from ``start`` (default: now) until vLLM would see ``job_id`` finished (polled
+    like engine steps)."""
+    start = time.monotonic() if start is None else start
     while time.monotonic() - start < timeout_s:
         if any(r.job_id == job_id for r in worker.get_finished()):
             return time.monotonic() - start
@@ -78,8 +79,9 @@ def test_a_hang_it_cannot_see_is_given_up_and_the_late_copy_refused(
     target = cache.block_bytes(0, 9).clone()
     daemon.signal(signal.SIGSTOP)
     try:
+        submitted = time.monotonic()  # the worker's stall clock starts inside submit_load
         assert worker.submit_load(2, HostLoadSpec("r", [key(1)], [5], [False]), gpu([9]))
-        seconds = finished(worker, 2, 5)
+        seconds = finished(worker, 2, 5, start=submitted)
         assert STALL <= seconds < STALL + 0.5, f"the load was given up after {seconds:.2f}s"
         assert worker.take_invalid_block_ids() == {9}, "vLLM must recompute the block"
         assert worker.take_failed_keys() == [key(1)], "the manager must forget the key"
