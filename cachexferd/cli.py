@@ -230,7 +230,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and its options (the docs' examples are checked against it)."""
+    from .bench.cli import add_bench
+    from .demo import add_demo
+    from .keys_cli import add_keys
     from .protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR
 
     parser = argparse.ArgumentParser(prog="cachexferd", description="Per-GPU KV-cache transfer daemon")
@@ -240,14 +244,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_status(sub)
-    from .bench.cli import add_bench
-    from .demo import add_demo
-    from .keys_cli import add_keys
-
     add_demo(sub)
     add_bench(sub)
     add_keys(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     handler = {"serve": cmd_serve, "status": cmd_status}.get(args.command) or args.func
     result: int = handler(args)
     return result
