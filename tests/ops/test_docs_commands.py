@@ -1,16 +1,19 @@
 """Every ``cachexferd ...`` command line in README.md and docs/ names a command and options
-that the CLI has: an operator copying an example never meets "unrecognized arguments"."""
+that the CLI has: an operator copying an example never meets "unrecognized arguments"; and
+docs/vllm.md lists the plug-in's options with their defaults."""
 
 from __future__ import annotations
 
 import argparse
 import itertools
 import re
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
 
 from cachexferd.cli import build_parser
+from cachexferd.integrations.vllm.options import PluginOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -102,3 +105,12 @@ def test_the_check_finds_a_wrong_option_and_a_wrong_command(tmp_path: Path) -> N
         "cachexferd bench swap: no option --no-such",
         "cachexferd bench: no option --plotz",
     ]
+
+
+def test_the_vllm_options_table_lists_every_option_with_its_default() -> None:
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    table = dict(re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", text.split("## Options", 1)[1], re.M))
+    assert sorted(table) == sorted(f.name for f in fields(PluginOptions)), "docs/vllm.md's options table"
+    for f in fields(PluginOptions):
+        if f.default not in (MISSING, ""):  # "" defaults are described in words
+            assert table[f.name] == f"`{f.default!r}`".replace("'", '"'), f"{f.name}: {table[f.name]}"
