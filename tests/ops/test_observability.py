@@ -1,5 +1,6 @@
 """The Grafana dashboard and Prometheus alert rules in configs/ against what a real daemon
-exports, the exposition itself, and the JSON log format."""
+exports, docs/operations.md's metrics table against it, the exposition itself, and the JSON
+log format."""
 
 from __future__ import annotations
 
@@ -97,6 +98,16 @@ def test_dashboard_uses_only_exported_metrics(exposition: str) -> None:
                    "cachexferd_storage_errors_total", "cachexferd_attached_device_caches",
                    "cachexferd_batched_commands_total", "cachexferd_grouped_swaps_total"):  # fmt: skip
         assert family in used, f"the dashboard does not show {family}"
+
+
+def test_operations_doc_lists_every_exported_family_and_no_other(exposition: str) -> None:
+    documented = set(
+        re.findall(r"^\| `(cachexferd_[a-z0-9_]+)` \|", (REPO / "docs" / "operations.md").read_text(), re.M)
+    )
+    exported = {f for f in re.findall(r"^# TYPE (\S+) ", exposition, re.M) if f.startswith("cachexferd_")}
+    assert len(documented) >= 15
+    assert exported - documented == set(), "exported, not in docs/operations.md's metrics table"
+    assert documented - exported == set(), "in docs/operations.md's metrics table, not exported"
 
 
 def test_dashboard_is_importable_grafana_json() -> None:
