@@ -369,6 +369,12 @@ class CachexferdWorker(OffloadingWorker):
             out, self.invalid_block_ids = self.invalid_block_ids, set()
             return out
 
+    @property
+    def jobs_in_flight(self) -> int:
+        """vLLM jobs submitted and not yet reported finished (write-through STOREs included)."""
+        with self.conn.lock:
+            return len(self._jobs)
+
     def take_failed_keys(self) -> list[OffloadKey]:
         with self.conn.lock:
             out, self.failed_keys = self.failed_keys, []
