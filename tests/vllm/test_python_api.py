@@ -168,7 +168,8 @@ def stores_per_call(worker: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     @contextlib.contextmanager
     def counted_block() -> Iterator[None]:
         nonlocal depth
-        calls.extend([0] if depth == 0 else [])
+        if depth == 0:
+            calls.append(0)
         depth += 1
         try:
             with block():
