@@ -15,14 +15,18 @@ hash of its block and of every later block. A trailing partial block (fewer than
 ``block_size`` tokens) hashes with its token count and gets its own key form, so it never
 collides with a full block and a decode instance asks for exactly what prefill wrote.
 
-Key format (printable ASCII, no spaces, at most 80 bytes)::
+Key format (printable ASCII, no spaces, at most 85 bytes)::
 
     cx1:<namespace digest, 16 hex>:r<rank>of<tp_size>:f:<block hash, 32 hex>     full block
     cx1:<namespace digest, 16 hex>:r<rank>of<tp_size>:p<count>:<block hash, 32 hex>  partial
+    cx1:<namespace digest>:g<group>:r<rank>of<tp_size>:...     a KV-cache group other than 0
+    cx1:<namespace digest>:ranks<tp_size>:...                  KV identical on every rank
 
 The namespace digest covers the model id, weights version, dtype, layout fingerprint, block
-size and TP size: KV written under other weights (an RL update bumps ``weights_version``) or
-another layout simply misses. One object is stored per (block, rank).
+size and TP size (and the group and replication when set): KV written under other weights
+(an RL update bumps ``weights_version``) or another layout simply misses. One object is
+stored per (block, rank), or per block when every rank holds the same bytes (``replicated``,
+e.g. an MLA latent).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any, Protocol
 
 KEY_FORMAT = "cx1"
 HASH_BYTES = 16
+MAX_GROUPS = 1024  # KV-cache groups a key space may name (vLLM's largest models have a handful)
 ExtraKey = int | str | bytes
 _I64 = struct.Struct("<q")
 
@@ -106,18 +111,28 @@ class KeySpace:
     block_size: int  # tokens per block
     weights_version: str = "0"
     tp_size: int = 1
+    # The engine's KV-cache group (a model with sliding-window or Mamba layers beside full
+    # attention has several): group 0 keeps the single-group names, others are named apart.
+    group: int = 0
+    # Every rank holds the same bytes for a block (an MLA latent): one object serves all ranks.
+    replicated: bool = False
 
     def __post_init__(self) -> None:
         if type(self.block_size) is not int or self.block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
         if type(self.tp_size) is not int or self.tp_size < 1:
             raise ValueError(f"tp_size must be a positive int, got {self.tp_size!r}")
+        if type(self.group) is not int or not 0 <= self.group < MAX_GROUPS:
+            raise ValueError(f"group must be an int in 0..{MAX_GROUPS - 1}, got {self.group!r}")
 
     @classmethod
     def for_layout(
-        cls, model: str, layout: HasFingerprint, *, weights_version: str = "0", tp_size: int = 1
-    ) -> KeySpace:
-        return cls(model, layout.dtype, layout.fingerprint(), layout.block_size, weights_version, tp_size)
+        cls, model: str, layout: HasFingerprint, *, weights_version: str = "0", tp_size: int = 1, group: int = 0,
+        replicated: bool = False,
+    ) -> KeySpace:  # fmt: skip
+        return cls(
+            model, layout.dtype, layout.fingerprint(), layout.block_size, weights_version, tp_size, group, replicated
+        )
 
     @property
     def digest(self) -> str:
@@ -126,6 +141,10 @@ class KeySpace:
 
     def _root(self) -> bytes:
         text = [self.model, self.weights_version, self.dtype, self.layout, str(self.block_size), str(self.tp_size)]
+        if self.group:
+            text.append(f"g{self.group}")
+        if self.replicated:
+            text.append("replicated")
         data = KEY_FORMAT.encode() + b"".join(_field(t.encode()) for t in text)
         return hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
 
@@ -160,7 +179,13 @@ class KeySpace:
         if not 0 <= rank < self.tp_size:
             raise ValueError(f"rank {rank} is outside tp_size {self.tp_size}")
         kind = f"p{block.tokens}" if block.partial else "f"
-        return f"{KEY_FORMAT}:{self.digest}:r{rank}of{self.tp_size}:{kind}:{block.hex}"
+        return f"{KEY_FORMAT}:{self.digest}{self._scope(rank)}:{kind}:{block.hex}"
+
+    def _scope(self, rank: int) -> str:
+        """The group and rank part of a key: the same for every rank when replicated."""
+        group = f":g{self.group}" if self.group else ""
+        ranks = f":ranks{self.tp_size}" if self.replicated else f":r{rank}of{self.tp_size}"
+        return group + ranks
 
     def keys(self, blocks: Sequence[BlockHash], rank: int = 0) -> list[str]:
         return [self.key(b, rank) for b in blocks]

@@ -30,7 +30,7 @@ from .rig import metric, ops, start_daemon, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
 STALL = 0.4
-NAMES = VllmKeyNames.create(model="m", weights_version="0", dtype="float16", layout="test", tokens_per_block=4,
+NAMES = VllmKeyNames.create(model="m", weights_version="0", dtype="float16", layout="test", tokens_per_block={0: 4},
                             tp_size=1)  # fmt: skip
 
 

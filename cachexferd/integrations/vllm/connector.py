@@ -30,6 +30,7 @@ from .vllm_api import (
     VllmConfig,
     backing_sizes,
     instance_id,
+    replicated_kv,
 )
 from .worker import CachexferdWorker
 
@@ -62,6 +63,8 @@ class CachexferdConnector(OffloadingConnector):
         extra[RUNTIME_KEY] = {
             "hash_algo": str(vllm_config.cache_config.prefix_caching_hash_algo),
             "instance": instance_id(vllm_config),
+            "replicated": replicated_kv(vllm_config, kv_cache_config),
+            "prefix_caching": bool(vllm_config.cache_config.enable_prefix_caching),
         }
         if transfer.kv_load_failure_policy != "recompute" and role == KVConnectorRole.SCHEDULER:
             log.warning("cachexferd: kv_load_failure_policy is %r: requests whose KV load fails will fail "

@@ -55,8 +55,12 @@ class CachexferdManager(OffloadingManager):
         conn: DaemonConnection,
         make_index: IndexFactory | None = None,
         owner: str = "",
+        serve_loads: bool = True,
     ) -> None:
         self.options = options
+        # False where vLLM cannot compute on top of a loaded prefix (it turned its prefix
+        # caching off, as it does for MLA on CPUs): every lookup is a miss, stores go on.
+        self.serve_loads = serve_loads
         self.names = names
         self.conn = conn
         self._make_index = make_index or (lambda blocks, storage: OffloadIndex(blocks, names.space, storage=storage))
@@ -135,7 +139,7 @@ class CachexferdManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         index = self._refresh()  # (the scheduler's single thread uses the index; the lock guards the connection)
         self.stats["lookups"] += 1
-        if index is None or not self.conn.usable:
+        if index is None or not self.conn.usable or not self.serve_loads:
             return LookupResult.MISS  # a daemon behind: no load it could not serve (nor failure to forget)
         if index.lookup(self._digests([key])):
             self.stats["hits"] += 1

@@ -25,7 +25,7 @@ from ...client.pending import Completion
 from ...index import OffloadIndex
 from ...protocol import MsgType
 from .index_calls import prepare_stores
-from .keys import VllmKeyNames
+from .keys import VllmKeyNames, group_of
 from .vllm_api import OffloadKey
 
 log = logging.getLogger("vllm.cachexferd")  # a child of vLLM's logger: our lines show in its log
@@ -44,7 +44,7 @@ class StoragePrefetch:
         self.ttl_s = ttl_s
         self.owner = owner
         self.timeout_s = timeout_s
-        self._queued: dict[str, list[OffloadKey]] = {}  # req_id -> keys asked this step
+        self._queued: dict[tuple[str, int], list[OffloadKey]] = {}  # (req_id, group) -> keys asked this step
         self._pending: dict[int, _Batch] = {}  # daemon req_id -> batch (LOOKUP or LOAD)
         self._inflight: set[OffloadKey] = set()
         self._missed: dict[OffloadKey, float] = {}  # key -> when the storage did not have it
@@ -58,7 +58,7 @@ class StoragePrefetch:
         if missed is not None and time.monotonic() - missed < self.ttl_s:
             return False
         self._missed.pop(key, None)
-        self._queued.setdefault(req_id, []).append(key)
+        self._queued.setdefault((req_id, group_of(key)), []).append(key)
         self._inflight.add(key)
         return True
 
@@ -67,11 +67,11 @@ class StoragePrefetch:
         return bool(self._queued or self._pending)
 
     def flush(self, client: EngineClient) -> None:
-        """Sends this step's LOOKUPs (one per request: LOOKUP counts a contiguous prefix)."""
+        """Sends this step's LOOKUPs (one per request and KV-cache group: LOOKUP counts a
+        contiguous prefix, and each group's blocks form a chain of their own)."""
         for keys in self._queued.values():
             digests = [self.names.block_hash(k).digest for k in keys]
-            rid = client.lookup(self.names.space.keys_by_rank([self.names.block_hash(k) for k in keys]),
-                                timeout_s=self.timeout_s)  # fmt: skip
+            rid = client.lookup(self.names.keys_by_rank(keys), timeout_s=self.timeout_s)
             self._pending[rid] = _Batch(keys, digests)
         self._queued.clear()
 
@@ -101,7 +101,7 @@ class StoragePrefetch:
         wanted = set(placed.digests)
         keys = [k for k, d in zip(batch.keys, batch.digests) if d in wanted]
         self._inflight.difference_update(k for k, d in zip(batch.keys, batch.digests) if d not in wanted)
-        by_rank = self.names.space.keys_by_rank([self.names.block_hash(k) for k in keys])
+        by_rank = self.names.keys_by_rank(keys)
         host_ids = list(placed.host_ids)
         # not_after: a daemon that reads it after we gave up refuses it (protocol 1.2).
         fields = {"host_ids": host_ids, "device_ids": None, "owner": self.owner,

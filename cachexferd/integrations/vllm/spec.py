@@ -32,21 +32,16 @@ class CachexferdOffloadingSpec(OffloadingSpec):
                 "(kv_connector_module_path='cachexferd.integrations.vllm'), which reports failed "
                 "transfers to vLLM's recompute path"
             )
-        if len(config.groups) != 1:
-            raise ValueError(f"cachexferd supports models with one KV cache group; this one has {len(config.groups)}")
         if self.blocks_per_chunk != 1:
             raise ValueError("cachexferd offloads vLLM blocks one by one: leave the offload block_size unset")
         self.options = PluginOptions.from_extra_config(self.extra_config)
-        group = config.groups[0]
-        layout = layout_name(
-            layers=len(group.layer_names), block_bytes=config.worker_kv_bytes_per_block,
-            tokens_per_block=group.tokens_per_block, kv_cache_layout=config.kv_cache_layout or "",
-            hash_algo=str(runtime.get("hash_algo", "")),
-        )  # fmt: skip
+        self.replicated = bool(runtime.get("replicated"))
+        self.serve_loads = bool(runtime.get("prefix_caching", True))
         self.names = VllmKeyNames.create(
             model=self.options.model_id or config.model.name, weights_version=self.options.weights_version,
-            dtype=config.model.dtype, layout=layout, tokens_per_block=group.tokens_per_block,
-            tp_size=config.parallel.world_size,
+            dtype=config.model.dtype, layout=_layout(config, str(runtime.get("hash_algo", ""))),
+            tokens_per_block={g.group_id: g.tokens_per_block for g in config.groups},
+            tp_size=config.parallel.world_size, replicated=self.replicated,
         )  # fmt: skip
         # Stamped on every host block this vLLM instance writes, checked on every read (1.2);
         # the manager adds the epoch of its index (room left for it within the 64 characters).
@@ -67,7 +62,11 @@ class CachexferdOffloadingSpec(OffloadingSpec):
         if self._manager is None:
             endpoints = [self.options.endpoint_for(r) for r in range(self.config.parallel.world_size)]
             conn = self._connection(endpoints, "vllm-scheduler")
-            self._manager = CachexferdManager(self.options, self.names, conn, owner=self.owner)
+            if not self.serve_loads:
+                log.warning("cachexferd: vLLM runs with prefix caching off (as it does for MLA models on CPUs, whose "
+                            "attention cannot start from a loaded prefix): blocks are stored, never loaded")  # fmt: skip
+            self._manager = CachexferdManager(self.options, self.names, conn, owner=self.owner,
+                                              serve_loads=self.serve_loads)  # fmt: skip
             log.info("cachexferd: scheduler side up (daemons %s, storage keys %s)", endpoints, self.names.space.digest)
         return self._manager
 
@@ -84,6 +83,17 @@ class CachexferdOffloadingSpec(OffloadingSpec):
                 log.warning("cachexferd: daemon %s not reachable at start; vLLM serves without it until it is",
                             self.options.endpoint_for(rank))  # fmt: skip
         return self._worker
+
+
+def _layout(config: OffloadingConfig, hash_algo: str) -> str:
+    """What one offloaded block holds on a worker: every KV-cache group's block is one page
+    of each of vLLM's KV tensors (its groups share them), so one name covers them all."""
+    tokens = sorted({g.tokens_per_block for g in config.groups})
+    return layout_name(
+        layers=sum(len(g.layer_names) for g in config.groups), block_bytes=config.worker_kv_bytes_per_block,
+        tokens_per_block=tokens[0] if len(tokens) == 1 else 0, kv_cache_layout=config.kv_cache_layout or "",
+        hash_algo=hash_algo, groups=len(config.groups),
+    )  # fmt: skip
 
 
 def _checked_segment(allocation: SegmentAllocation | None, tensors: list[torch.Tensor]) -> ShmSegment | None:

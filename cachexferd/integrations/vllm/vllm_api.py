@@ -83,6 +83,21 @@ def instance_id(vllm_config: VllmConfig) -> str:
     return str(getattr(vllm_config, "instance_id", "") or "")
 
 
+def replicated_kv(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> bool:
+    """Whether every worker holds the same KV bytes for a block: an MLA latent under
+    tensor parallelism alone (vLLM keeps a full replica per rank, ``kv_tp_replicas``)."""
+    parallel = vllm_config.parallel_config
+    tp = int(parallel.tensor_parallel_size)
+    return (
+        bool(getattr(vllm_config.model_config, "use_mla", False))
+        and tp > 1
+        and int(getattr(kv_cache_config, "kv_tp_replicas", 1)) == tp
+        and parallel.world_size == tp
+        and parallel.decode_context_parallel_size == 1
+        and parallel.prefill_context_parallel_size == 1
+    )
+
+
 __all__ = [
     "KV_ALLOCATION",
     "SUPPORTED",
@@ -113,4 +128,5 @@ __all__ = [
     "check_version",
     "get_offload_group_idx",
     "instance_id",
+    "replicated_kv",
 ]

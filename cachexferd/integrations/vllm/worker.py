@@ -42,7 +42,7 @@ from ...client.pending import Completion
 from ...protocol import MsgType
 from .connection import RESTART_ERRORS, DaemonConnection
 from .failures import FailureLog
-from .keys import VllmKeyNames
+from .keys import VllmKeyNames, group_of
 from .transfer_specs import HostLoadSpec, HostStoreSpec
 from .vllm_api import GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, OffloadKey, TransferResult
 
@@ -110,6 +110,9 @@ class CachexferdWorker(OffloadingWorker):
         self.failed_keys: list[OffloadKey] = []  # offload keys that are not where the manager thinks
         self.stats = {"stores": 0, "loads": 0, "failed_stores": 0, "failed_loads": 0, "given_up": 0, "bytes": 0}
         self.failures = FailureLog()
+        # KV every rank holds alike (an MLA latent) has one object for all ranks: rank 0 writes
+        # it, every rank reads it. Each rank still keeps its own host copy, next to its GPU.
+        self.writes_storage = not names.replicated or rank == 0
         conn.on_keeper_tick.append(self._flush_failures)
 
     # Submission ------------------------------------------------------------------------
@@ -142,7 +145,8 @@ class CachexferdWorker(OffloadingWorker):
             rid = client.submit(MsgType.SWAP_OUT, self._copy_fields(job, job.device_ids, dst_spec.host_ids),
                                 self._timeout(job))  # fmt: skip
             self._add_part(job, rid, _Part(job, MsgType.SWAP_OUT, job.device_ids, dst_spec.host_ids, job.keys,
-                                           then_store=dst_spec.write_through, parent=dst_spec.parent))  # fmt: skip
+                                           then_store=dst_spec.write_through and self.writes_storage,
+                                           parent=dst_spec.parent))  # fmt: skip
             return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
@@ -212,8 +216,8 @@ class CachexferdWorker(OffloadingWorker):
                     parent: bytes | None = None) -> None:  # fmt: skip
         fields = {"keys": self.names.keys(keys, self.rank), "host_ids": host_ids, "device_ids": None,
                   "owner": owner}  # fmt: skip
-        if parent is not None:
-            fields["parent"] = self.names.digest_key(parent, self.rank)
+        if parent is not None:  # the block before keys[0] in its chain: the same group
+            fields["parent"] = self.names.digest_key(parent, group_of(keys[0]), self.rank)
         rid = client.submit(MsgType.STORE, fields)
         self._parts[rid] = _Part(None, MsgType.STORE, [], host_ids, keys)
 
