@@ -64,7 +64,7 @@ class CachexferdOffloadingSpec(OffloadingSpec):
             conn = self._connection(endpoints, "vllm-scheduler")
             if not self.serve_loads:
                 log.warning("cachexferd: vLLM runs with prefix caching off (as it does for MLA models on CPUs, whose "
-                            "attention cannot start from a loaded prefix): blocks are stored, never loaded")  # fmt: skip
+                            "attention cannot start from a loaded prefix): blocks are stored, not loaded")  # fmt: skip
             self._manager = CachexferdManager(self.options, self.names, conn, owner=self.owner,
                                               serve_loads=self.serve_loads)  # fmt: skip
             log.info("cachexferd: scheduler side up (daemons %s, storage keys %s)", endpoints, self.names.space.digest)
