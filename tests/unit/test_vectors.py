@@ -48,6 +48,11 @@ NAMESPACES: dict[str, dict[str, Any]] = {
     "tp1": dict(model="org/model-7b", weights_version="v3", layout="small-bf16", tp_size=1),
     "tp2": dict(model="org/model-7b", weights_version="v3", layout="small-bf16", tp_size=2),
     "utf8-mla": dict(model="modèle/ü-1b", weights_version="step-1200", layout="mla-fp8", tp_size=1),
+    "group-3": dict(model="org/model-7b", weights_version="v3", layout="small-bf16", tp_size=2, group=3),
+    "mla-replicated": dict(model="org/mla-16b", weights_version="v3", layout="mla-fp8", tp_size=2, replicated=True),
+    "group-2-replicated": dict(
+        model="org/mla-16b", weights_version="v3", layout="mla-fp8", tp_size=2, group=2, replicated=True
+    ),
 }
 
 _TOKENS = list(range(500, 514))  # 3 full blocks of 4 and a partial block of 2
@@ -68,6 +73,24 @@ CHAINS: list[dict[str, Any]] = [
     dict(name="tp2", namespace="tp2", tokens=_TOKENS[:10]),
     dict(name="utf8-namespace-mla", namespace="utf8-mla", tokens=list(range(20))),
     dict(name="no-tokens", namespace="tp1", tokens=[]),
+    dict(name="kv-cache-group-3", namespace="group-3", tokens=_TOKENS[:10]),
+    dict(name="replicated-mla", namespace="mla-replicated", tokens=list(range(20))),
+    dict(name="replicated-group-2", namespace="group-2-replicated", tokens=list(range(20))),
+]
+
+# vLLM plug-in names: (vLLM block hash, group) under one model's key spaces (docs/storage.md §2.8)
+VLLM_LAYOUT = dict(layers=4, block_bytes=8192, tokens_per_block=64, kv_cache_layout="LBHNC", hash_algo="sha256",
+                   groups=4)  # fmt: skip
+VLLM_SPACES: dict[str, dict[str, Any]] = {
+    "hybrid-tp2": dict(model="org/gemma-like", weights_version="0", dtype="bfloat16", tp_size=2, replicated=False,
+                       tokens_per_block={0: 64, 1: 64, 2: 64, 3: 64}),
+    "mla-tp2": dict(model="org/mla-16b", weights_version="0", dtype="bfloat16", tp_size=2, replicated=True,
+                    tokens_per_block={0: 16}),
+}  # fmt: skip
+VLLM_KEYS: list[tuple[str, bytes, int]] = [
+    ("hybrid-tp2", bytes(range(32)), 0),
+    ("hybrid-tp2", bytes(range(32)), 3),
+    ("mla-tp2", bytes(range(100, 132)), 0),
 ]
 
 # (storage namespace, weights version, chain)
@@ -105,6 +128,10 @@ def prose_fingerprint(layout: dict[str, Any]) -> tuple[str, str]:
 def prose_namespace(ns: dict[str, Any]) -> tuple[bytes, bytes]:
     """(preimage, 16-byte root)."""
     fields = [ns["model"], ns["weights_version"], ns["dtype"], ns["layout"], str(ns["block_size"]), str(ns["tp_size"])]
+    if ns.get("group", 0):
+        fields.append("g" + _dec(ns["group"]))
+    if ns.get("replicated", False):
+        fields.append("replicated")
     preimage = b"cx1" + b"".join(_lp(f.encode("utf-8")) for f in fields)
     return preimage, _b2b(preimage, 16)
 
@@ -146,9 +173,11 @@ def prose_chain(root: bytes, case: dict[str, Any], block_size: int) -> list[tupl
     return out
 
 
-def prose_key(digest16: str, rank: int, tp_size: int, tokens: int, partial: bool, block_hex: str) -> str:
+def prose_key(ns: dict[str, Any], rank: int, tokens: int, partial: bool, block_hex: str) -> str:
     kind = f"p{tokens}" if partial else "f"
-    return f"cx1:{digest16}:r{rank}of{tp_size}:{kind}:{block_hex}"
+    group = f":g{ns['group']}" if ns.get("group", 0) else ""
+    ranks = f":ranks{ns['tp_size']}" if ns.get("replicated", False) else f":r{rank}of{ns['tp_size']}"
+    return f"cx1:{ns['digest']}{group}{ranks}:{kind}:{block_hex}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -194,7 +223,10 @@ def build_vectors() -> dict[str, Any]:
     out["namespaces"] = []
     for name, ns in NAMESPACES.items():
         lay = layouts[ns["layout"]]
-        space = KeySpace.for_layout(ns["model"], lay, weights_version=ns["weights_version"], tp_size=ns["tp_size"])
+        space = KeySpace.for_layout(
+            ns["model"], lay, weights_version=ns["weights_version"], tp_size=ns["tp_size"],
+            group=ns.get("group", 0), replicated=ns.get("replicated", False),
+        )  # fmt: skip
         spaces[name] = space
         inputs = dict(
             model=space.model,
@@ -203,6 +235,8 @@ def build_vectors() -> dict[str, Any]:
             layout=space.layout,
             block_size=space.block_size,
             tp_size=space.tp_size,
+            group=space.group,
+            replicated=space.replicated,
         )
         out["namespaces"].append(
             {
@@ -246,6 +280,7 @@ def build_vectors() -> dict[str, Any]:
             "keys": {str(rank): space.keys(blocks, rank) for rank in range(space.tp_size)},
         }
         out["chains"].append(row)
+    out["vllm_offload_keys"] = build_vllm_keys()
     out["object_names"] = []
     for namespace, version, chain in OBJECT_NAMES:
         case = next(c for c in CHAINS if c["name"] == chain)
@@ -263,6 +298,32 @@ def build_vectors() -> dict[str, Any]:
             }
         )
     return out
+
+
+def build_vllm_keys() -> list[dict[str, Any]]:
+    from cachexferd.integrations.vllm.keys import VllmKeyNames, layout_name
+
+    layout = layout_name(**VLLM_LAYOUT)
+    rows = []
+    for space_name, block_hash, group in VLLM_KEYS:
+        inputs = VLLM_SPACES[space_name]
+        names = VllmKeyNames.create(layout=layout, **inputs)
+        offload_key = block_hash + group.to_bytes(4, "big")
+        space = names.spaces[group]
+        rows.append(
+            {
+                "space": space_name,
+                **{k: v for k, v in inputs.items() if k != "tokens_per_block"},
+                "layout": layout,
+                "block_size": space.block_size,
+                "group": group,
+                "offload_key": offload_key.hex(),
+                "namespace_digest": space.digest,
+                "digest": names.block_hash(offload_key).hex,
+                "keys": {str(rank): names.key(offload_key, rank) for rank in range(space.tp_size)},
+            }
+        )
+    return rows
 
 
 def render(vectors: dict[str, Any]) -> str:
@@ -336,10 +397,7 @@ def test_prose_block_hashes_and_keys(vectors: dict[str, Any]) -> None:
         ], case["name"]
         assert [_b2b(p, 16).hex() for p, _, _ in blocks] == [b["hash"] for b in case["blocks"]], case["name"]
         for rank, keys in case["keys"].items():
-            want = [
-                prose_key(ns["digest"], int(rank), ns["tp_size"], b["tokens"], b["partial"], b["hash"])
-                for b in case["blocks"]
-            ]
+            want = [prose_key(ns, int(rank), b["tokens"], b["partial"], b["hash"]) for b in case["blocks"]]
             assert keys == want, case["name"]
             assert all(len(k) <= 80 and " " not in k and k.isascii() for k in keys)
 
@@ -352,6 +410,21 @@ def test_prose_object_names(vectors: dict[str, Any]) -> None:
         digest = hashlib.blake2b(name.encode("utf-8"), digest_size=16).hexdigest()
         assert row["file_path"] == f"{digest[:2]}/{digest[2:4]}/{digest}"
         assert row["name_digest"] == hashlib.blake2b(name.encode("utf-8"), digest_size=8).hexdigest()
+
+
+def test_prose_vllm_offload_keys(vectors: dict[str, Any]) -> None:
+    for row in vectors["vllm_offload_keys"]:
+        offload_key = bytes.fromhex(row["offload_key"])
+        assert int.from_bytes(offload_key[-4:], "big") == row["group"]
+        digest = hashlib.blake2b(offload_key, digest_size=16, person=b"cx-vllm").hexdigest()
+        assert digest == row["digest"]
+        _, root = prose_namespace(row)
+        assert root.hex()[:16] == row["namespace_digest"]
+        ns = {**row, "digest": row["namespace_digest"]}
+        for rank, key in row["keys"].items():
+            assert key == prose_key(ns, int(rank), row["block_size"], False, digest)
+    layouts = {row["layout"] for row in vectors["vllm_offload_keys"]}
+    assert layouts == {"vllm:LBHNC:4layers:8192B:64tok:sha256:4groups"}
 
 
 def test_vectors_show_the_documented_equalities(vectors: dict[str, Any]) -> None:
@@ -367,6 +440,10 @@ def test_vectors_show_the_documented_equalities(vectors: dict[str, Any]) -> None
     fps = {row["name"]: row["fingerprint"] for row in vectors["layout_fingerprints"]}
     assert fps["small-bf16"] == fps["small-bf16-more-blocks"]  # num_blocks is not part of it
     assert len(set(fps.values())) == len(fps) - 1
+    replicated = chains["replicated-mla"]["keys"]
+    assert replicated["0"] == replicated["1"]  # one object for every rank
+    assert hashes["replicated-mla"] != hashes["utf8-namespace-mla"][:5]
+    assert all(":g3:" in k for k in chains["kv-cache-group-3"]["keys"]["1"])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ failure reporting vLLM's offloading worker does not do.
 vLLM's offloading worker asserts that every transfer succeeds. Ours always reports success
 and keeps failures on the side; this connector hands them on:
 - GPU blocks whose load failed go to ``get_block_ids_with_load_errors``, vLLM's hook for
-  recomputing them (with ``kv_load_failure_policy="recompute"``);
+  recomputing them (with ``kv_load_failure_policy="recompute"``); for a model with several
+  KV-cache groups, whose block ids vLLM cannot map back to requests, the request of a
+  failed load goes to ``failed_recving`` instead, and vLLM recomputes it whole;
 - offload keys that were not stored (or could not be loaded) travel to the scheduler in the
   worker metadata, and the manager forgets them before vLLM completes their jobs.
 """
@@ -24,6 +26,7 @@ from .vllm_api import (
     KVCacheConfig,
     KVConnectorOutput,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     OffloadingConnector,
     OffloadingWorkerMetadata,
@@ -71,6 +74,7 @@ class CachexferdConnector(OffloadingConnector):
                         "instead of being recomputed", transfer.kv_load_failure_policy)  # fmt: skip
         super().__init__(vllm_config, role, kv_cache_config)
         self._cx_kv_cache_config = kv_cache_config
+        self._cx_per_request = len(kv_cache_config.kv_cache_groups) > 1  # failures reported per request
 
     def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
         """vLLM allocates its KV cache inside this: on CPU, in shared memory (kv_memory.py)."""
@@ -105,7 +109,16 @@ class CachexferdConnector(OffloadingConnector):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self._cx_worker()
-        return worker.take_invalid_block_ids() if worker is not None else set()
+        invalid = worker.take_invalid_block_ids() if worker is not None else set()
+        return set() if self._cx_per_request else invalid
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)  # files this step's completions
+        worker = self._cx_worker()
+        failed = worker.take_failed_load_reqs() if worker is not None else set()
+        if self._cx_per_request:
+            results.failed_recving |= failed
+        return results
 
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
         meta = super().build_connector_worker_meta()

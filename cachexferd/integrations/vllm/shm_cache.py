@@ -33,7 +33,8 @@ def page_layout(tensors: Sequence[torch.Tensor]) -> KVLayout:
         if t.dim() != 2 or tuple(t.shape) != (num_blocks, page_bytes) or t.stride() != (page_bytes, 1):
             raise VllmCacheError(
                 f"KV cache tensor of shape {tuple(t.shape)} and stride {t.stride()} is not a contiguous "
-                f"[{num_blocks}, {page_bytes}] page array (packed or hybrid layouts are not supported)"
+                f"[{num_blocks}, {page_bytes}] page array like vLLM's first KV tensor: cachexferd moves a block of "
+                "every KV-cache group as one page of each tensor, so the tensors' pages must have one size"
             )
     return KVLayout(
         num_layers=len(tensors), kv_tensors=1, num_blocks=int(num_blocks), block_size=1,

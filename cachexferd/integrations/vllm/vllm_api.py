@@ -42,7 +42,11 @@ check_version(VLLM_VERSION)
 
 # ruff: noqa: E402 (the names are imported only once the version is known to fit)
 from vllm.config import VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -107,6 +111,7 @@ __all__ = [
     "KVCacheConfig",
     "KVConnectorOutput",
     "KVConnectorRole",
+    "KVConnectorTransferResults",
     "KVConnectorWorkerMetadata",
     "LoadStoreSpec",
     "LookupResult",

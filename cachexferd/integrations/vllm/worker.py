@@ -58,6 +58,7 @@ class _Job:
     deadline: float  # monotonic: given up after this whatever happens
     soft: float  # monotonic: given up after this if the daemon has answered nothing since ``started``
     owner: str = ""  # the owner token of the index that planned it (protocol 1.2)
+    req_id: str = ""  # vLLM's request (loads): a failed load fails this request's receive
     started: float = field(default_factory=time.monotonic)
     parts: int = 0  # daemon commands not yet completed
     failed: bool = False
@@ -108,6 +109,7 @@ class CachexferdWorker(OffloadingWorker):
         self._writes: list[_Write] = []  # write-through STOREs to send
         self.invalid_block_ids: set[int] = set()  # GPU blocks whose load failed (for recompute)
         self.failed_keys: list[OffloadKey] = []  # offload keys that are not where the manager thinks
+        self.failed_load_reqs: set[str] = set()  # requests a load of which failed (for recompute)
         self.stats = {"stores": 0, "loads": 0, "failed_stores": 0, "failed_loads": 0, "given_up": 0, "bytes": 0}
         self.failures = FailureLog()
         # KV every rank holds alike (an MLA latent) has one object for all ranks: rank 0 writes
@@ -153,6 +155,7 @@ class CachexferdWorker(OffloadingWorker):
         assert isinstance(src_spec, HostLoadSpec)
         with self.conn.lock:
             job = self._new_job(job_id, True, src_spec.keys, dst_spec.block_ids, src_spec.owner)
+            job.req_id = src_spec.req_id
             if len(job.device_ids) != len(src_spec.host_ids):
                 return self._fail_now(job, f"load of {len(src_spec.host_ids)} blocks into {len(job.device_ids)}")
             if any(h < 0 for h in src_spec.host_ids):
@@ -356,6 +359,8 @@ class CachexferdWorker(OffloadingWorker):
         self.stats[kind] += 1
         if job.failed:
             self.stats["failed_" + kind] += 1
+            if job.is_load and job.req_id:
+                self.failed_load_reqs.add(job.req_id)
         self.stats["bytes"] += job.nbytes
         self._finished.append(
             TransferResult(job.job_id, success=True, transfer_size=job.nbytes or None,
@@ -378,6 +383,12 @@ class CachexferdWorker(OffloadingWorker):
         """vLLM jobs submitted and not yet reported finished (write-through STOREs included)."""
         with self.conn.lock:
             return len(self._jobs)
+
+    def take_failed_load_reqs(self) -> set[str]:
+        """Requests with a failed load among the jobs reported finished so far."""
+        with self.conn.lock:
+            out, self.failed_load_reqs = self.failed_load_reqs, set()
+            return out
 
     def take_failed_keys(self) -> list[OffloadKey]:
         with self.conn.lock:

@@ -1,0 +1,98 @@
+"""Tiny random-weight checkpoints of the model kinds the plug-in serves, made at test time.
+
+Each has a word-level tokenizer (``w3 w4 ...``, as rig.make_tiny_model) and weights large
+enough that greedy tokens depend on the whole context. The kinds and what vLLM 0.32's CPU
+build makes of them:
+- ``sliding_window``: Gemma 3 text, three sliding-window layers of 128 tokens and one
+  full-attention layer: four KV-cache groups (one per layer), blocks of 64 tokens;
+- ``gdn``: Qwen3-Next, three gated-delta-net (linear attention) layers and one full-attention
+  layer: four groups, Mamba-style state cached per block in vLLM's "align" mode, blocks of
+  384 tokens (vLLM sizes the attention block to the state's page);
+- ``mla``: DeepSeek-V2 with a 512 + 64 latent (the shape vLLM's CPU MLA kernel takes): one
+  group of latent pages; vLLM turns prefix caching off for MLA on CPUs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+VOCAB = 512
+
+
+def _tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(path)
+
+
+def _save(model_cls: Any, config: Any, path: Path) -> Path:
+    import torch
+
+    torch.manual_seed(0)
+    model_cls(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    _tokenizer(path)
+    return path
+
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, max_position_embeddings=4096,
+              bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
+
+
+def sliding_window(path: Path) -> Path:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        **COMMON, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        sliding_window=128, layer_types=["sliding_attention"] * 3 + ["full_attention"], initializer_range=0.5,
+        pad_token_id=0,
+    )  # fmt: skip
+    return _save(Gemma3ForCausalLM, config, path)
+
+
+def gdn(path: Path) -> Path:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        **COMMON, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, decoder_sparse_step=1, initializer_range=0.2,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+    )  # fmt: skip
+    return _save(Qwen3NextForCausalLM, config, path)
+
+
+def mla(path: Path) -> Path:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        **COMMON, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=2, initializer_range=0.2,
+    )  # fmt: skip
+    return _save(DeepseekV2ForCausalLM, config, path)
+
+
+@dataclass(frozen=True)
+class Kind:
+    build: Callable[[Path], Path]
+    block: int  # tokens per vLLM block of its full-attention group
+    prompt_len: int  # tokens of the test prompts: full blocks and a tail (beyond the window)
+    kv_bytes: int  # vLLM's KV cache: a few prompts' worth, so that vLLM forgets them soon
+    engine: dict[str, Any]  # engine arguments beyond rig.engine_args
+
+
+KINDS = {
+    "sliding_window": Kind(sliding_window, 64, 6 * 64 + 16, 64 * 8192, {"block_size": 64, "max_model_len": 512}),
+    "gdn": Kind(gdn, 384, 2 * 384 + 16, 40 * 98304, {"block_size": None, "max_model_len": 1024}),
+    "mla": Kind(mla, 16, 12 * 16 + 8, 192 * 18432, {"block_size": 16, "max_model_len": 1024}),
+}

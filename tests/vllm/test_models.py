@@ -1,0 +1,205 @@
+"""Every model kind vLLM's CPU build serves, through the plug-in: several KV-cache groups
+(sliding window beside full attention; gated-delta-net state beside full attention) and MLA.
+
+For the hybrids, with vLLM's KV cache smaller than the prompts and its prefix cache reset
+between passes, returning prompts must come back cached through the daemon with vLLM's own
+greedy tokens; a host cache cleared, a host block rewritten by another client and a new
+weights version must never be served (the daemon's SWAP_IN successes do not move, tokens
+stay vLLM's). For MLA, vLLM turns prefix caching off on CPUs (its attention cannot start
+from a loaded prefix): the plug-in stores and never loads, and at TP=2 writes each latent
+block to storage once, as at TP=1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup-vllm.sh makes a venv with it)")
+
+from cachexferd.client import EngineClient  # noqa: E402
+from cachexferd.launch import DaemonProcess  # noqa: E402
+from cachexferd.protocol import SetWeights  # noqa: E402
+
+from .engines import generate, reset_gpu_cache, shutdown  # noqa: E402
+from .models import KINDS, Kind  # noqa: E402
+from .rig import clear_host, engine_args, metric, ops, prompt, start_daemon, transfer_config, wait_for  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
+HOST = "16MiB"  # the daemon's host cache: every prompt's blocks fit
+
+
+@dataclass
+class Case:
+    kind: Kind
+    prompts: list[list[int]]
+    reference: list[list[int]]  # vLLM alone's greedy tokens per prompt
+    daemon: DaemonProcess
+    llm: Any
+
+
+def prompts_for(kind: Kind, count: int = 3) -> list[list[int]]:
+    return [prompt(300 + seed, length=kind.prompt_len) for seed in range(count)]
+
+
+def args_for(path: Path, kind: Kind, **more: Any) -> dict[str, Any]:
+    return {**engine_args(path), **kind.engine, "kv_cache_memory_bytes": kind.kv_bytes, **more}
+
+
+def tokens_alone(path: Path, kind: Kind, prompts: list[list[int]], **more: Any) -> list[list[int]]:
+    from vllm import LLM
+
+    llm = LLM(**args_for(path, kind, **more))
+    try:
+        return [generate(llm, p)[0] for p in prompts]
+    finally:
+        shutdown(llm)
+
+
+@pytest.fixture(scope="module", params=["sliding_window", "gdn"])
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, cx_root: Path) -> Iterator[Case]:
+    from vllm import LLM
+
+    kind = KINDS[request.param]
+    path = kind.build(tmp_path_factory.mktemp(request.param))
+    prompts = prompts_for(kind)
+    reference = tokens_alone(path, kind, prompts)
+    daemon = start_daemon(cx_root, request.param, cx_root / f"storage-{request.param}", capacity=HOST)
+    config = transfer_config(daemon.endpoint, storage="off", retry_interval_s=0.25)
+    llm = LLM(**args_for(path, kind), kv_transfer_config=config)
+    yield Case(kind, prompts, reference, daemon, llm)
+    shutdown(llm)
+    daemon.stop()
+
+
+def run_all(case: Case) -> list[tuple[list[int], int]]:
+    """Every prompt once: (greedy tokens, cached prompt tokens), tokens checked against vLLM alone."""
+    outs = [generate(case.llm, p) for p in case.prompts]
+    for i, (out, want) in enumerate(zip(outs, case.reference)):
+        assert out[0] == want, f"prompt {i}: greedy tokens differ from vLLM alone"
+    return [(out[0], out[2]) for out in outs]
+
+
+def settle(case: Case) -> None:
+    """Drives steps until the plug-in has no store in flight, so every block is on the host."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group().connector_worker.worker
+    short = case.prompts[0][:16]
+    wait_for(lambda: bool(generate(case.llm, short)) and worker.jobs_in_flight == 0, 30, "the stores to finish")
+    generate(case.llm, short)  # one more step: vLLM learns that the last stores finished
+
+
+def loaded(case: Case) -> float:
+    return ops(case.daemon, "swap_in")
+
+
+def refused(case: Case, outcome: str) -> float:
+    return metric(case.daemon, "cachexferd_commands_total", op="swap_in", outcome=outcome)
+
+
+def store_and_forget(case: Case) -> None:
+    run_all(case)
+    settle(case)
+    reset_gpu_cache(case.llm)
+
+
+def test_returning_prompts_come_back_cached_with_vllms_tokens(case: Case) -> None:
+    first = run_all(case)
+    assert all(cached == 0 for _, cached in first)
+    settle(case)
+    reset_gpu_cache(case.llm)
+    before = loaded(case)
+    again = run_all(case)
+    assert all(cached >= case.kind.block for _, cached in again), f"cached tokens per prompt: {again}"
+    assert loaded(case) > before, "the cached tokens did not come through the daemon"
+
+
+def test_a_cleared_host_cache_is_never_served(case: Case) -> None:
+    store_and_forget(case)
+    clear_host(case.daemon)
+    before = loaded(case)
+    run_all(case)
+    assert loaded(case) == before, "a block of the cleared host cache was loaded"
+
+
+def test_a_host_block_rewritten_by_another_client_is_never_served(case: Case) -> None:
+    time.sleep(0.6)  # the scheduler side notices the cleared cache of the previous test at a ping
+    store_and_forget(case)
+    host_blocks = int(case.daemon.status()["host_cache"]["num_blocks"])
+    before, refusals = loaded(case), refused(case, "host_block_changed")
+    with EngineClient([case.daemon.endpoint]) as other:
+        other.connect(timeout_s=10)
+        devices = int(other.status()[0]["device"]["layout"]["num_blocks"])
+        req = other.swap_out([h % devices for h in range(host_blocks)], list(range(host_blocks)))
+        assert other.wait([req], timeout_s=30)[req].ok
+    run_all(case)
+    assert loaded(case) == before, "a host block another client rewrote was loaded"
+    assert refused(case, "host_block_changed") > refusals, "the plug-in's reads should have been refused"
+
+
+def test_blocks_of_older_weights_are_never_served(case: Case) -> None:
+    store_and_forget(case)
+    before, refusals = loaded(case), refused(case, "stale_weights")
+    with EngineClient([case.daemon.endpoint]) as other:
+        other.connect(timeout_s=10)
+        other.call_all(SetWeights, version=7)
+    run_all(case)
+    assert loaded(case) == before, "a block of the previous weights was loaded"
+    assert refused(case, "stale_weights") > refusals, "the plug-in's reads should have been refused"
+
+
+# MLA ---------------------------------------------------------------------------------------
+
+
+def stored_objects(root: Path) -> tuple[int, int]:
+    """(objects, bytes) of a file storage directory."""
+    files = [p for p in root.rglob("*") if p.is_file() and len(p.name) == 32]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def idle(daemons: list[DaemonProcess]) -> bool:
+    return all(not sum(d.status()["commands"].values()) for d in daemons)
+
+
+def run_mla(path: Path, kind: Kind, root: Path, tp: int, prompts: list[list[int]]) -> tuple[list[list[int]], Any]:
+    """The prompts through vLLM with the plug-in at TP=``tp`` (one daemon per rank, one
+    storage directory): (greedy tokens, (objects, bytes) stored)."""
+    from vllm import LLM
+
+    storage = root / f"storage-tp{tp}"
+    daemons = [start_daemon(root, f"mla{tp}-{r}", storage, capacity=HOST, rank=r) for r in range(tp)]
+    try:
+        config = transfer_config(f"ipc://{root}/mla{tp}-{{rank}}/cmd.sock")
+        more = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
+        llm = LLM(**args_for(path, kind, **more), kv_transfer_config=config)
+        try:
+            tokens = [generate(llm, p)[0] for p in prompts]
+            swapped = lambda: all(ops(d, "swap_out") > 0 for d in daemons)  # noqa: E731
+            wait_for(lambda: bool(generate(llm, prompts[0][:8])) and swapped(), 30, "the stores to start")
+        finally:
+            shutdown(llm)  # its workers let their stores finish first
+        wait_for(lambda: idle(daemons), 30, "the daemons to finish every write")
+        return tokens, stored_objects(storage)
+    finally:
+        for d in daemons:
+            d.stop()
+
+
+def test_mla_latents_are_stored_once_whatever_the_tp_size(tmp_path_factory: pytest.TempPathFactory,
+                                                          cx_root: Path) -> None:  # fmt: skip
+    kind = KINDS["mla"]
+    path = kind.build(tmp_path_factory.mktemp("mla"))
+    prompts = prompts_for(kind, count=2)
+    reference = tokens_alone(path, kind, prompts)
+    tokens1, stored1 = run_mla(path, kind, cx_root, 1, prompts)
+    assert tokens1 == reference, "greedy tokens differ from vLLM alone (TP=1)"
+    tokens2, stored2 = run_mla(path, kind, cx_root, 2, prompts)
+    assert stored1[0] >= len(prompts) * 2, f"too few objects at TP=1: {stored1}"
+    assert stored2 == stored1, f"TP=2 stored (objects, bytes) {stored2}, TP=1 {stored1}"
+    assert tokens2 == reference, "greedy tokens differ from vLLM alone (TP=2)"
