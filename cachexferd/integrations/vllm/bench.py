@@ -1,17 +1,23 @@
 """Multi-turn benchmark: vLLM on CPU with and without the plug-in, in the same run.
 
-    python -m cachexferd.integrations.vllm.bench [--conversations 6 --turns 3 ...] [--json FILE]
+    python -m cachexferd.integrations.vllm.bench [--kind dense|sliding_window|gdn|mla]
+                                                 [--conversations 6 --turns 3 ...] [--json FILE]
 
-A random-weight Llama (made here with transformers; no download) serves ``conversations``
-chats round-robin. Each turn sends the whole history plus ``user_tokens`` new tokens and
-asks for one token, so the request's latency is its time to first token (TTFT); the reply
-is appended as ``reply_tokens`` synthetic tokens. vLLM's KV cache holds about two
+A random-weight model (made here with transformers; no download) serves ``conversations``
+chats round-robin: a Llama of ``--layers``/``--hidden``/... for ``--kind dense`` (the
+default), else the tiny model of that kind (tiny_models.py: Gemma 3 with sliding windows,
+Qwen3-Next with gated-delta-net state, DeepSeek-V2 with MLA). Each turn sends the whole
+history plus ``user_tokens`` new tokens and asks for one token, so the request's latency
+is its time to first token (TTFT); the reply is appended as ``reply_tokens`` synthetic
+tokens. vLLM's KV cache holds about two
 histories, so a returning conversation has been evicted from vLLM's own prefix cache:
 without the plug-in vLLM recomputes it, with it the blocks come back from the daemon's
 host cache. Both engines (separate processes) get the same turns, interleaved, and each
 turn's TTFT and prefill rate (prompt tokens / TTFT) are reported for returning turns (first
 turns, which no cache can help, show whether the two engines run alike on this machine),
-with the blocks and bytes the daemon moved.
+with the blocks and bytes the daemon moved. A third engine, vLLM alone with a KV cache that
+holds every conversation (``roomy``), shows what a hit in vLLM's own cache costs: the
+plug-in's returning turns are compared with it too.
 
 Also measured, each with vLLM alone in the same run:
 - memory: one engine of each kind with a larger KV cache (``--memory-kv-mib``), each in a
@@ -37,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ...launch import DaemonProcess
+from .tiny_models import KINDS
 
 BLOCK = 32
 
@@ -66,17 +73,26 @@ def page_bytes_per_block(args: argparse.Namespace) -> int:
     return int(2 * args.kv_heads * (args.hidden // args.heads) * 2 * BLOCK * args.layers)
 
 
-def engine(args: argparse.Namespace, model: Path, endpoint: str | None, kv_blocks: int | None = None) -> Any:
+def engine(
+    args: argparse.Namespace, model: Path, endpoint: str | None, kv_blocks: int | None = None, scale: int = 1
+) -> Any:
     from vllm import LLM
 
     kv_blocks = kv_blocks or args.gpu_blocks
     extra: dict[str, Any] = {}
     if endpoint is not None:
         extra["kv_transfer_config"] = transfer_config(endpoint, args.storage)
+    if args.kind != "dense":
+        kind = KINDS[args.kind]
+        return LLM(
+            model=str(model), dtype="bfloat16", enforce_eager=True, seed=0, max_num_seqs=2, enable_prefix_caching=True,
+            **{**kind.engine, "max_model_len": 4096}, kv_cache_memory_bytes=kind.kv_bytes * args.kv_scale * scale,
+            **extra,
+        )  # fmt: skip
     return LLM(
         model=str(model), dtype="bfloat16", block_size=BLOCK, enforce_eager=True, seed=0, max_num_seqs=2,
-        kv_cache_memory_bytes=kv_blocks * page_bytes_per_block(args),
-        max_model_len=min(kv_blocks - 2, 8192 // BLOCK) * BLOCK, enable_prefix_caching=True, **extra,
+        max_model_len=min(kv_blocks * scale - 2, 8192 // BLOCK) * BLOCK, enable_prefix_caching=True, **extra,
+        kv_cache_memory_bytes=kv_blocks * scale * page_bytes_per_block(args),
     )  # fmt: skip
 
 
@@ -108,13 +124,14 @@ def conversation_turns(args: argparse.Namespace) -> list[tuple[int, int, list[in
     import random
 
     rng = random.Random(1)
-    history = [[rng.randrange(3, 1024) for _ in range(args.history_tokens)] for _ in range(args.conversations)]
+    vocab = 1024 if args.kind == "dense" else 512
+    history = [[rng.randrange(3, vocab) for _ in range(args.history_tokens)] for _ in range(args.conversations)]
     out = []
     for turn in range(args.turns):
         for conv in range(args.conversations):
-            history[conv] += [rng.randrange(3, 1024) for _ in range(args.user_tokens)]
+            history[conv] += [rng.randrange(3, vocab) for _ in range(args.user_tokens)]
             out.append((conv, turn, list(history[conv])))
-            history[conv] += [rng.randrange(3, 1024) for _ in range(args.reply_tokens)]
+            history[conv] += [rng.randrange(3, vocab) for _ in range(args.reply_tokens)]
     return out
 
 
@@ -137,14 +154,16 @@ def peak_rss(pid: int) -> dict[str, int]:
     return out
 
 
-def new_engine(args: argparse.Namespace, model: Path, endpoint: str | None) -> tuple[Any, float, int | None]:
+def new_engine(
+    args: argparse.Namespace, model: Path, endpoint: str | None, scale: int = 1
+) -> tuple[Any, float, int | None]:
     """(engine, start-up seconds, pid of its worker process)."""
     import psutil
 
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     start = time.perf_counter()
-    llm = engine(args, model, endpoint)
+    llm = engine(args, model, endpoint, scale=scale)
     seconds = time.perf_counter() - start
     born = [p for p in me.children(recursive=True) if p.pid not in before]
     # vLLM names its processes: VLLM::EngineCore, and under it VLLM::Worker (CPU: always a process).
@@ -222,7 +241,10 @@ def fault_phase(args: argparse.Namespace, engines: dict[str, Any], daemon: Daemo
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="cxb-"))
-    model = make_model(root / "model", args.layers, args.hidden, args.heads, args.kv_heads)
+    if args.kind == "dense":
+        model = make_model(root / "model", args.layers, args.hidden, args.heads, args.kv_heads)
+    else:
+        model = KINDS[args.kind].build(root / "model", hidden=args.hidden)
     settings = {"metrics.port": 0, "host_cache.capacity": args.host_capacity, "storage.backend": "file",
                 "storage.path": str(root / "store")}  # fmt: skip
     # vLLM reserves a core more for an engine with a KV connector: on a small machine that
@@ -238,21 +260,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_avg": os.getloadavg(),
     }
     try:
-        if args.memory_kv_mib:
+        if args.memory_kv_mib and args.kind == "dense":
             result["memory"] = memory_phase(args, model, daemon.endpoint)
         plain, plain_s, plain_pid = new_engine(args, model, None)
         plugged, plugged_s, plugged_pid = new_engine(args, model, daemon.endpoint)
+        engines = [("recompute", plain), ("cachexferd", plugged)]
+        if args.roomy:  # vLLM alone, its KV cache big enough for every conversation
+            engines.append(("roomy", new_engine(args, model, None, scale=args.conversations + 1)[0]))
         result["startup_s"] = {"recompute": plain_s, "cachexferd": plugged_s}
         warm = conversation_turns(argparse.Namespace(**{**vars(args), "conversations": 1, "turns": 1}))[0][2]
-        ttft(plain, warm[:64]), ttft(plugged, warm[:64])  # first-request set-up out of the figures
+        for _, llm in engines:
+            ttft(llm, warm[:64])  # first-request set-up out of the figures
         before = daemon_counters(daemon)
         for i, (conv, turn, tokens) in enumerate(conversation_turns(args)):
-            pair = [("recompute", plain), ("cachexferd", plugged)]
-            for name, llm in pair if i % 2 == 0 else pair[::-1]:  # neither engine always goes first
+            for name, llm in engines[i % len(engines) :] + engines[: i % len(engines)]:  # none always goes first
                 seconds, cached = ttft(llm, tokens)
                 rows.append({"engine": name, "conversation": conv, "turn": turn, "prompt_tokens": len(tokens),
                              "cached_tokens": cached, "ttft_s": seconds})  # fmt: skip
         after = daemon_counters(daemon)
+        result["block_bytes"] = int(daemon.status()["host_cache"]["block_bytes"]) or result["block_bytes"]
         result["worker_rss"] = {name: peak_rss(pid) if pid else {} for name, pid in
                                 (("recompute", plain_pid), ("cachexferd", plugged_pid))}  # fmt: skip
         if args.faults:
@@ -268,17 +294,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def summarize(result: dict[str, Any]) -> str:
     lines = ["engine      first turns: median TTFT  returning turns  median TTFT  mean TTFT  prefill tok/s (median)"
              "  cached tokens (mean)"]  # fmt: skip
-    for name in ("recompute", "cachexferd"):
+    medians: dict[str, float] = {}
+    for name in ("recompute", "cachexferd", "roomy"):
+        if not any(r["engine"] == name for r in result["rows"]):
+            continue
         first = statistics.median(r["ttft_s"] for r in result["rows"] if r["engine"] == name and r["turn"] == 0)
         rows = [r for r in result["rows"] if r["engine"] == name and r["turn"] > 0]
         ttfts = [r["ttft_s"] for r in rows]
         rates = [r["prompt_tokens"] / r["ttft_s"] for r in rows]
         median_ms, mean_ms = statistics.median(ttfts) * 1000, statistics.mean(ttfts) * 1000
+        medians[name] = median_ms
         cached = statistics.mean(r["cached_tokens"] for r in rows)
         lines.append(
             f"{name:<11} {first * 1000:>22.0f}ms  {len(rows):>15}  {median_ms:>9.0f}ms  {mean_ms:>7.0f}ms"
             f"  {statistics.median(rates):>22.0f}  {cached:>20.0f}"
         )
+    ratios = [f"recompute / cachexferd {medians['recompute'] / medians['cachexferd']:.2f}x"]
+    if "roomy" in medians:
+        ratios.append(f"cachexferd / roomy {medians['cachexferd'] / medians['roomy']:.2f}x")
+    lines.append(f"{result['args']['kind']}: returning turns' median TTFT, " + ", ".join(ratios))
     d, bb = result["daemon"], result["block_bytes"]
     d2h = d.get('cachexferd_transfer_bytes_total{direction="d2h"}', 0)
     h2d = d.get('cachexferd_transfer_bytes_total{direction="h2d"}', 0)
@@ -329,6 +363,10 @@ def _summarize_faults(result: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kind", default="dense", choices=sorted(KINDS), help="the model kind (tiny_models.py)")
+    p.add_argument("--kv-scale", type=int, default=2,
+                   help="other kinds than dense: vLLM's KV cache, in units of the kind's small cache")  # fmt: skip
+    p.add_argument("--no-roomy", dest="roomy", action="store_false", help="skip vLLM alone with a large KV cache")
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--history-tokens", type=int, default=512, help="tokens of each conversation before turn 0")

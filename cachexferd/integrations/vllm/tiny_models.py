@@ -1,8 +1,9 @@
-"""Tiny random-weight checkpoints of the model kinds the plug-in serves, made at test time.
+"""Tiny random-weight checkpoints of the model kinds the plug-in serves, made on the spot
+with transformers (nothing is downloaded), for the tests and the benchmark.
 
-Each has a word-level tokenizer (``w3 w4 ...``, as rig.make_tiny_model) and weights large
-enough that greedy tokens depend on the whole context. The kinds and what vLLM 0.32's CPU
-build makes of them:
+Each has a word-level tokenizer (``w3 w4 ...``) and weights large enough that greedy tokens
+depend on the whole context. The kinds and what vLLM 0.32's CPU build makes of them:
+- ``dense``: Llama, one KV-cache group, blocks of 32 tokens;
 - ``sliding_window``: Gemma 3 text, three sliding-window layers of 128 tokens and one
   full-attention layer: four KV-cache groups (one per layer), blocks of 64 tokens;
 - ``gdn``: Qwen3-Next, three gated-delta-net (linear attention) layers and one full-attention
@@ -43,26 +44,42 @@ def _save(model_cls: Any, config: Any, path: Path) -> Path:
     return path
 
 
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, max_position_embeddings=4096,
-              bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
+COMMON = dict(vocab_size=VOCAB, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+              tie_word_embeddings=False)  # fmt: skip
 
 
-def sliding_window(path: Path) -> Path:
+def _sizes(hidden: int) -> dict[str, int]:
+    """Width of the model: the benchmark makes its models wider than the tests do, so that
+    recomputing a prefix costs what it does for a real model, relative to moving its KV."""
+    return {"hidden_size": hidden, "intermediate_size": 2 * hidden}
+
+
+def dense(path: Path, hidden: int = 64) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        **COMMON, **_sizes(hidden), num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+        initializer_range=0.2,
+    )  # fmt: skip
+    return _save(LlamaForCausalLM, config, path)
+
+
+def sliding_window(path: Path, hidden: int = 64) -> Path:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     config = Gemma3TextConfig(
-        **COMMON, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        **COMMON, **_sizes(hidden), num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
         sliding_window=128, layer_types=["sliding_attention"] * 3 + ["full_attention"], initializer_range=0.5,
         pad_token_id=0,
     )  # fmt: skip
     return _save(Gemma3ForCausalLM, config, path)
 
 
-def gdn(path: Path) -> Path:
+def gdn(path: Path, hidden: int = 64) -> Path:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(
-        **COMMON, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        **COMMON, **_sizes(hidden), num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
         linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=128, linear_value_head_dim=128,
         linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
         shared_expert_intermediate_size=64, decoder_sparse_step=1, initializer_range=0.2,
@@ -71,11 +88,11 @@ def gdn(path: Path) -> Path:
     return _save(Qwen3NextForCausalLM, config, path)
 
 
-def mla(path: Path) -> Path:
+def mla(path: Path, hidden: int = 64) -> Path:
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     config = DeepseekV2Config(
-        **COMMON, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None,
+        **COMMON, **_sizes(hidden), num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None,
         kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=2, initializer_range=0.2,
     )  # fmt: skip
@@ -84,7 +101,7 @@ def mla(path: Path) -> Path:
 
 @dataclass(frozen=True)
 class Kind:
-    build: Callable[[Path], Path]
+    build: Callable[..., Path]  # (directory, hidden=64) -> the checkpoint's directory
     block: int  # tokens per vLLM block of its full-attention group
     prompt_len: int  # tokens of the test prompts: full blocks and a tail (beyond the window)
     kv_bytes: int  # vLLM's KV cache: a few prompts' worth, so that vLLM forgets them soon
@@ -92,6 +109,7 @@ class Kind:
 
 
 KINDS = {
+    "dense": Kind(dense, 32, 6 * 32 + 8, 64 * 16384, {"block_size": 32, "max_model_len": 1024}),
     "sliding_window": Kind(sliding_window, 64, 6 * 64 + 16, 64 * 8192, {"block_size": 64, "max_model_len": 512}),
     "gdn": Kind(gdn, 384, 2 * 384 + 16, 40 * 98304, {"block_size": None, "max_model_len": 1024}),
     "mla": Kind(mla, 16, 12 * 16 + 8, 192 * 18432, {"block_size": 16, "max_model_len": 1024}),
