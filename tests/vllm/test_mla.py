@@ -57,14 +57,16 @@ def run_mla(path: Path, kind: Kind, root: Path, tp: int, prompts: list[list[int]
             d.stop()
 
 
-def test_mla_latents_are_stored_once_whatever_the_tp_size(tmp_path_factory: pytest.TempPathFactory,
-                                                          cx_root: Path) -> None:  # fmt: skip
+def test_mla_latents_are_stored_once_whatever_the_tp_size(
+    tmp_path_factory: pytest.TempPathFactory, cx_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     kind = KINDS["mla"]
     path = kind.build(tmp_path_factory.mktemp("mla"))
     prompts = prompts_for(kind, count=2)
     reference = tokens_alone(path, kind, prompts)
     tokens1, stored1 = run_mla(path, kind, cx_root, 1, prompts)
     assert tokens1 == reference, "greedy tokens differ from vLLM alone (TP=1)"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a worker per core (vLLM needs a binding for TP=2)
     tokens2, stored2 = run_mla(path, kind, cx_root, 2, prompts)
     assert stored1[0] >= len(prompts) * 2, f"too few objects at TP=1: {stored1}"
     assert stored2 == stored1, f"TP=2 stored (objects, bytes) {stored2}, TP=1 {stored1}"

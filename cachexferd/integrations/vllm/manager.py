@@ -25,6 +25,7 @@ from typing import Any
 
 from ...index import OffloadIndex
 from .connection import DaemonConnection
+from .events import TierEvents
 from .index_calls import Chains, prepare_loads, prepare_stores
 from .keys import VllmKeyNames
 from .options import PluginOptions
@@ -33,6 +34,7 @@ from .transfer_specs import HostLoadSpec, HostStoreSpec
 from .vllm_api import (
     LoadStoreSpec,
     LookupResult,
+    OffloadingEvent,
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
@@ -56,6 +58,7 @@ class CachexferdManager(OffloadingManager):
         make_index: IndexFactory | None = None,
         owner: str = "",
         serve_loads: bool = True,
+        events: bool = False,
     ) -> None:
         self.options = options
         # False where vLLM cannot compute on top of a loaded prefix (it turned its prefix
@@ -63,13 +66,16 @@ class CachexferdManager(OffloadingManager):
         self.serve_loads = serve_loads
         self.names = names
         self.conn = conn
-        self._make_index = make_index or (lambda blocks, storage: OffloadIndex(blocks, names.space, storage=storage))
+        self.events = TierEvents(enabled=events)  # the host and storage tiers in vLLM's KV events
+        self._make_index = make_index or (
+            lambda blocks, storage: OffloadIndex(blocks, names.space, storage=storage, events=events)
+        )
         self.index: OffloadIndex | None = None
         self._built_for: tuple[int, list[int | None]] = (-1, [])  # (conn.opened, host generations)
         self._failed: set[bytes] = set()  # digests the workers reported failed, until completed
         self._owner_base = owner
         self._epoch = 0  # indexes built so far: part of the owner token of the current one
-        self.prefetch = StoragePrefetch(names, owner=owner, timeout_s=options.max_stall_s)
+        self.prefetch = StoragePrefetch(names, owner=owner, timeout_s=options.max_stall_s, on_place=self.events.know)
         self._storage = False  # whether the current index writes through to storage
         self.stats = {"lookups": 0, "hits": 0, "loads": 0, "stores": 0, "store_refused": 0, "rebuilds": 0,
                       "failed": 0}  # fmt: skip
@@ -100,6 +106,7 @@ class CachexferdManager(OffloadingManager):
     def _drop_index(self) -> None:
         if self.index is not None:
             self.prefetch.reset()
+            self.events.host_gone()  # nothing of the old host tier is loadable any more
         self.index = None
 
     def _build_index(self) -> OffloadIndex | None:
@@ -197,6 +204,7 @@ class CachexferdManager(OffloadingManager):
             # from warning per request).
             return PrepareStoreOutput(keys_to_store=[], store_spec=HostStoreSpec([], []), evicted_keys=[])
         digests = self._digests(keys)
+        self.events.know(keys, digests)
         by_digest = dict(zip(digests, keys))
         groups = dict(zip(digests, (get_offload_group_idx(k) for k in keys)))
         placed = prepare_stores(index, list(groups), list(groups.values()), _chains(req_context))
@@ -227,6 +235,13 @@ class CachexferdManager(OffloadingManager):
     def mark_failed(self, keys: Iterable[bytes]) -> None:
         """Keys a worker could not store or load; their completion follows in the same step."""
         self._failed.update(self._digests(keys))
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """What became loadable from, or left, the host tier (medium CPU) and the storage tier
+        (medium STORAGE) since the last call (vLLM asks once per step when its KV events are on)."""
+        if self.index is not None:
+            self.events.add(self.index.take_events())
+        return self.events.take()
 
     def reset_cache(self) -> None:
         self._drop_index()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ...client import EngineClient
@@ -39,8 +40,12 @@ class _Batch:
 
 
 class StoragePrefetch:
-    def __init__(self, names: VllmKeyNames, ttl_s: float = 5.0, owner: str = "", timeout_s: float = 0.5) -> None:
+    def __init__(
+        self, names: VllmKeyNames, ttl_s: float = 5.0, owner: str = "", timeout_s: float = 0.5,
+        on_place: Callable[[list[OffloadKey], list[bytes]], None] | None = None,
+    ) -> None:  # fmt: skip
         self.names = names
+        self.on_place = on_place  # told the (keys, digests) of blocks it places in the host tier
         self.ttl_s = ttl_s
         self.owner = owner
         self.timeout_s = timeout_s
@@ -100,6 +105,8 @@ class StoragePrefetch:
             return
         wanted = set(placed.digests)
         keys = [k for k, d in zip(batch.keys, batch.digests) if d in wanted]
+        if self.on_place is not None:
+            self.on_place(keys, [d for d in batch.digests if d in wanted])
         self._inflight.difference_update(k for k, d in zip(batch.keys, batch.digests) if d not in wanted)
         by_rank = self.names.keys_by_rank(keys)
         host_ids = list(placed.host_ids)

@@ -66,7 +66,8 @@ class CachexferdOffloadingSpec(OffloadingSpec):
                 log.warning("cachexferd: vLLM runs with prefix caching off (as it does for MLA models on CPUs, whose "
                             "attention cannot start from a loaded prefix): blocks are stored, not loaded")  # fmt: skip
             self._manager = CachexferdManager(self.options, self.names, conn, owner=self.owner,
-                                              serve_loads=self.serve_loads)  # fmt: skip
+                                              serve_loads=self.serve_loads,
+                                              events=self.kv_events_config.enable_kv_cache_events)  # fmt: skip
             log.info("cachexferd: scheduler side up (daemons %s, storage keys %s)", endpoints, self.names.space.digest)
         return self._manager
 
