@@ -86,7 +86,7 @@ def engine(
         kind = KINDS[args.kind]
         return LLM(
             model=str(model), dtype="bfloat16", enforce_eager=True, seed=0, max_num_seqs=2, enable_prefix_caching=True,
-            **{**kind.engine, "max_model_len": 4096}, kv_cache_memory_bytes=kind.kv_bytes * args.kv_scale * scale,
+            **{**kind.engine, "max_model_len": 2048}, kv_cache_memory_bytes=kind.kv_bytes * args.kv_scale * scale,
             **extra,
         )  # fmt: skip
     return LLM(
@@ -364,7 +364,7 @@ def _summarize_faults(result: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kind", default="dense", choices=sorted(KINDS), help="the model kind (tiny_models.py)")
-    p.add_argument("--kv-scale", type=int, default=2,
+    p.add_argument("--kv-scale", type=int, default=1,
                    help="other kinds than dense: vLLM's KV cache, in units of the kind's small cache")  # fmt: skip
     p.add_argument("--no-roomy", dest="roomy", action="store_false", help="skip vLLM alone with a large KV cache")
     p.add_argument("--conversations", type=int, default=4)

@@ -156,7 +156,9 @@ class CachexferdManager(OffloadingManager):
         return LookupResult.MISS
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        """Once per step: file the storage answers, then send this step's questions."""
+        """Once per step: notice a lost daemon or a cleared host cache (its blocks are then
+        reported removed this step), file the storage answers, send this step's questions."""
+        self._refresh()
         with self.conn.lock:
             client = self.conn.client
             if client is None or self.index is None:
