@@ -121,6 +121,38 @@ def test_a_store_that_names_its_parent_extends_the_chain(spawn_daemon: Spawn, sh
         node.close()
 
 
+@pytest.mark.parametrize("pressure", ["capacity", "full-file-system"])
+def test_a_chain_stored_piece_by_piece_keeps_its_head_when_the_store_fills(
+    spawn_daemon: Spawn, short_tmp: Path, pressure: str, request: pytest.FixtureRequest
+) -> None:
+    """200 keys stored as 20 STOREs of 10, each naming the key before it as ``parent``, into
+    a store that holds fewer: a STORE never evicts its own chain's tail to make room for its
+    new objects (which would cut them off from the head), so the chain keeps the prefix that
+    fits and a LOAD of the whole chain delivers it (docs/storage.md §4.1)."""
+    if pressure == "capacity":
+        store, settings = short_tmp / "store", {"storage.capacity": 90 * OBJECT}
+    else:
+        store, settings = request.getfixturevalue("small_fs") / "store", {}
+    node = _node(spawn_daemon, store, **settings)
+    try:
+        whole = _keys("whole", 200)  # what the store holds: one STORE of the whole chain
+        holds = _store(node, whole, 0)["stored"]
+        assert node.ok("delete", whole)["deleted"] == holds
+        keys, prefixes = _keys("chain", 200), []
+        for first in range(0, 200, 10):
+            blocks, extra = list(range(first, first + 10)), {"parent": keys[first - 1]} if first else {}
+            result = node.run("store", keys[first : first + 10], host_ids=blocks, device_ids=blocks, **extra)
+            assert result.ok or result.errors[0][0] == "STORAGE_ERROR", result.describe()  # full: nothing written
+            prefixes.append(node.ok("lookup", keys)["prefix"])
+        assert prefixes == sorted(prefixes), f"the loadable prefix shrank: {prefixes}"
+        present = _on_disk(store, keys)
+        assert present == sorted(present, reverse=True), "objects past the loadable prefix were kept"
+        loaded = _load_back(node, keys, 0)
+        assert loaded >= 0.8 * holds, f"loaded {loaded} of the {holds} objects the store holds ({prefixes})"
+    finally:
+        node.close()
+
+
 @pytest.fixture
 def small_fs(short_tmp: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs: a real file system that fills up (ENOSPC)."""
