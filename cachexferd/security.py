@@ -46,6 +46,18 @@ class Endpoint:
         return self.scheme == "ipc" and self.address.startswith("@")
 
     @property
+    def wildcard(self) -> bool:
+        """A tcp bind-all address (``*``, ``0.0.0.0``, ``::``): a socket binds there, nothing connects to it."""
+        if self.scheme != "tcp":
+            return False
+        if self.address == "*":
+            return True
+        try:
+            return ipaddress.ip_address(self.address).is_unspecified
+        except ValueError:  # a host name
+            return False
+
+    @property
     def loopback(self) -> bool:
         if self.scheme != "tcp":
             return False
