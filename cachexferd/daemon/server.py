@@ -125,7 +125,7 @@ class Daemon:
             self.storage = open_storage(config, self.host.pool, self.metrics)
         except ValueError as exc:
             raise DaemonError(str(exc)) from None
-        self.ordering = BlockOrdering()
+        self.ordering: BlockOrdering[Request] = BlockOrdering()
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.access = AccessControl(config, self.ctx)
         # With CURVE keys the daemon can also deliver events to CURVE event sockets (protocol 1.2).
@@ -142,13 +142,12 @@ class Daemon:
             self.pausing,
         )  # fmt: skip
         handlers.sync[MsgType.ATTACH] = self.access.guard_attach(handlers.handle_attach)
-        self.jobs = Jobs(self.ordering, self.metrics, self._job_done, self.turn)
+        self.jobs = Jobs(self.ordering, self.metrics, self.outcomes, self.turn)
         groups = SwapGroups(self.device, self.host, self.pausing, self._admit)
         self.dispatcher = Dispatcher(
             handlers, self.jobs, self.outcomes, self.sessions, config.daemon.max_inflight, self._admit, self.spawn,
             groups, self.metrics.batches,
         )  # fmt: skip
-        self.jobs.on_complete(self.dispatcher.job_done, self.dispatcher.jobs_done)  # straight there
         self.router: zmq.Socket[Any] | None = None
         self._stop_requested = asyncio.Event()
         self._lock_file: IO[str] | None = None
@@ -387,9 +386,6 @@ class Daemon:
             raise ProtocolError(ErrorCode.STALE_BOOT, f"addressed to boot {cmd.boot_id}, this daemon is {self.boot_id}")
         if self.state is not DaemonState.RUNNING:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, f"daemon is {self.state.value}")
-
-    def _job_done(self, req: Request, code: int, detail: str, result: dict[str, Any]) -> None:
-        self.dispatcher.job_done(req, code, detail, result)
 
     def _reply(self, identity: bytes, frames: list[bytes]) -> None:
         router = self.router
