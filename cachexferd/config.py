@@ -78,6 +78,12 @@ class DaemonConfig:
         default=4096, metadata=_meta("accepted commands without an outcome yet, beyond it BUSY", lo=1)
     )
     watch_runner_pid: bool = field(default=True, metadata=_meta("detach automatically when the attached runner exits"))
+    expect_runner: bool = field(
+        default=False, metadata=_meta("readiness (/readyz) also needs an attached runner: set for a sidecar of one")
+    )
+    loop_stall_s: float = field(
+        default=10.0, metadata=_meta("liveness (/healthz) fails once the event loop has not run for this long", lo=1.0)
+    )
     log_level: str = field(
         default="info", metadata=_meta("debug, info, warning, error", choices=("debug", "info", "warning", "error"))
     )

@@ -42,6 +42,7 @@ from .device import DeviceSlot
 from .dispatch import Dispatcher
 from .groups import SwapGroups
 from .handlers import Handlers
+from .health import Health
 from .host import HostCache
 from .jobs import Jobs
 from .notify import sd_notify
@@ -137,6 +138,9 @@ class Daemon:
                                  self.turn)  # fmt: skip
         self.device = DeviceSlot(self.backend, self.host, self.ordering, self.metrics, config.daemon, self.spawn)
         self.pausing = Pausing(self.ordering)
+        daemon_config = config.daemon
+        self.health = Health(daemon_config.loop_stall_s, daemon_config.expect_runner, lambda: self.state.value,
+                             lambda: self.device.state.value)  # fmt: skip
         handlers = Handlers(
             config, self.device, self.host, self.storage, self.sessions, self.metrics, self.status, self.request_stop,
             self.pausing,
@@ -165,9 +169,11 @@ class Daemon:
         try:
             self._prepare_runtime_dir()
             # Metrics before the router: a taken port must fail before clients can connect.
+            self.health.start()
             if self.config.metrics.enabled:
-                port = self.metrics.serve(self.config.metrics.host, self.config.metrics_port)
-                log.info("metrics on http://%s:%d/metrics", self.config.metrics.host, port)
+                probes = {"/healthz": self.health.live, "/readyz": self.health.ready}
+                port = self.metrics.serve(self.config.metrics.host, self.config.metrics_port, probes)
+                log.info("metrics on http://%s:%d/metrics (probes /healthz, /readyz)", self.config.metrics.host, port)
             self.router = self._bind_router()
             self.access.log_warnings()
             if self.storage is not None:
@@ -229,6 +235,7 @@ class Daemon:
         self.sessions.close()
         await self._close_sockets()
         self.metrics.stop()
+        self.health.stop()
         self.backend.close()
         if self.storage is not None:
             self.storage.close()
@@ -285,6 +292,7 @@ class Daemon:
         """A failed start leaves nothing behind: no metrics server, socket file, lock file, or
         runtime directory it created. Only files of this process: the lock is ours if held."""
         self.metrics.stop()
+        self.health.stop()
         if self.router is not None:
             self.router.close(0)
             self.router = None
