@@ -356,15 +356,15 @@ def open_storage(config: Config, pool: HostPool, metrics: DaemonMetrics) -> Stor
     """The daemon's storage tier, or None for ``storage.backend = "none"``. Connecting is
     left to ``StorageTier.start``. A missing client library or a malformed address is a
     configuration error (ValueError): the operator chose a backend this install cannot run."""
-    from ..storage import load_storage
+    from ..storage import STORAGE_BACKENDS, load_storage
 
     try:
         backend = load_storage(config, pool)
     except ImportError as exc:
-        extra = {"redis": "redis", "mooncake": "mooncake"}.get(config.storage.backend, "")
+        spec = STORAGE_BACKENDS.get(config.storage.backend)
         raise ValueError(
             f"storage.backend = {config.storage.backend!r} needs a library that is not installed ({exc}); "
-            f"pip install 'cachexferd[{extra}]'"
+            f"pip install 'cachexferd[{spec.extra if spec else ''}]'"
         ) from None
     if backend is None:
         return None

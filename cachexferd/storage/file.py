@@ -452,4 +452,5 @@ def _unlink_quietly(path: str) -> None:
 
 
 def create(config: Config, pool: object = None) -> FileBackend:
-    return FileBackend(config.storage_path, config.storage.fsync, config.storage.capacity)
+    settings = config.storage.file
+    return FileBackend(config.storage_path, settings.fsync, settings.capacity)

@@ -94,9 +94,10 @@ def test_a_daemon_with_the_sidecars_options_answers_its_probes(spawn_daemon: Spa
     its readiness probe waits for a runner, as the example expects."""
     sidecar = container(pod(), "cachexferd")
     overrides, _ = daemon_config(sidecar)
-    local = {"daemon.runtime_dir", "daemon.rank", "host_cache.capacity", "storage.path", "metrics.host"}
+    local = {"daemon.runtime_dir", "daemon.rank", "host_cache.capacity", "storage.file.path", "metrics.host"}
     settings = {k: v for k, v in overrides.items() if k not in local}
-    daemon = spawn_daemon(settings={**settings, "storage.path": str(short_tmp / "store"), "metrics.host": "127.0.0.1"})
+    settings.update({"storage.file.path": str(short_tmp / "store"), "metrics.host": "127.0.0.1"})
+    daemon = spawn_daemon(settings=settings)
     base = daemon.status()["metrics_url"].removesuffix("/metrics")
     answers = {}
     for kind in ("startupProbe", "livenessProbe", "readinessProbe"):

@@ -1,6 +1,6 @@
 """The file store under pressure, over real daemons: eviction keeps chains loadable (tails go
 before heads), a STORE never evicts what it has just written and reports only what a LOAD
-can deliver, both under ``storage.capacity`` and on a real file system that fills up (a
+can deliver, both under ``storage.file.capacity`` and on a real file system that fills up (a
 1 MiB tmpfs, mounted when the tests run as root)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ OBJECT = HEADER_BYTES + LAYOUT.host_block_bytes  # 4 KiB + 64 B: two pages on tm
 
 
 def _node(spawn: Spawn, store: Path, **settings: object) -> Node:
-    daemon = spawn(settings={"storage.backend": "file", "storage.path": str(store), **settings})
+    daemon = spawn(settings={"storage.backend": "file", "storage.file.path": str(store), **settings})
     return Node.subprocess(daemon, seed=3, layout=LAYOUT)
 
 
@@ -67,7 +67,7 @@ def test_a_chain_larger_than_the_store_keeps_the_prefix_that_fits(
     spawn_daemon: Spawn, short_tmp: Path, pressure: str, request: pytest.FixtureRequest
 ) -> None:
     if pressure == "capacity":
-        store, settings = short_tmp / "store", {"storage.capacity": 100 * OBJECT}
+        store, settings = short_tmp / "store", {"storage.file.capacity": 100 * OBJECT}
     else:
         store, settings = request.getfixturevalue("small_fs") / "store", {}
     node = _node(spawn_daemon, store, **settings)
@@ -87,7 +87,7 @@ def test_eviction_takes_chain_tails_before_heads(
     spawn_daemon: Spawn, short_tmp: Path, pressure: str, request: pytest.FixtureRequest
 ) -> None:
     if pressure == "capacity":
-        store, settings, chain = short_tmp / "store", {"storage.capacity": 100 * OBJECT}, 60
+        store, settings, chain = short_tmp / "store", {"storage.file.capacity": 100 * OBJECT}, 60
     else:
         store, settings, chain = request.getfixturevalue("small_fs") / "store", {}, 80
     node = _node(spawn_daemon, store, **settings)
@@ -108,7 +108,7 @@ def test_a_store_that_names_its_parent_extends_the_chain(spawn_daemon: Spawn, sh
     """A chain stored in two STOREs, the second naming the first's last key: the first part
     is kept while the second is, so eviction shortens the chain from its end."""
     store = short_tmp / "store"
-    node = _node(spawn_daemon, store, **{"storage.capacity": 100 * OBJECT})
+    node = _node(spawn_daemon, store, **{"storage.file.capacity": 100 * OBJECT})
     try:
         chain = _keys("a", 80)
         _store(node, chain[:40], 0)
@@ -130,7 +130,7 @@ def test_a_chain_stored_piece_by_piece_keeps_its_head_when_the_store_fills(
     new objects (which would cut them off from the head), so the chain keeps the prefix that
     fits and a LOAD of the whole chain delivers it (docs/storage.md §4.1)."""
     if pressure == "capacity":
-        store, settings = short_tmp / "store", {"storage.capacity": 90 * OBJECT}
+        store, settings = short_tmp / "store", {"storage.file.capacity": 90 * OBJECT}
     else:
         store, settings = request.getfixturevalue("small_fs") / "store", {}
     node = _node(spawn_daemon, store, **settings)
