@@ -62,14 +62,19 @@ def _check_store_result(result: dict[str, int], store: Path, keys: list[str]) ->
     return stored
 
 
+def _under(pressure: str, objects: int, short_tmp: Path, request: pytest.FixtureRequest) -> tuple[Path, dict[str, int]]:
+    """(store directory, settings): room for ``objects`` under storage.file.capacity, or a
+    small tmpfs that fills up."""
+    if pressure == "capacity":
+        return short_tmp / "store", {"storage.file.capacity": objects * OBJECT}
+    return request.getfixturevalue("small_fs") / "store", {}
+
+
 @pytest.mark.parametrize("pressure", ["capacity", "full-file-system"])
 def test_a_chain_larger_than_the_store_keeps_the_prefix_that_fits(
     spawn_daemon: Spawn, short_tmp: Path, pressure: str, request: pytest.FixtureRequest
 ) -> None:
-    if pressure == "capacity":
-        store, settings = short_tmp / "store", {"storage.file.capacity": 100 * OBJECT}
-    else:
-        store, settings = request.getfixturevalue("small_fs") / "store", {}
+    store, settings = _under(pressure, 100, short_tmp, request)
     node = _node(spawn_daemon, store, **settings)
     try:
         keys = _keys("chain", 200)
@@ -86,10 +91,8 @@ def test_a_chain_larger_than_the_store_keeps_the_prefix_that_fits(
 def test_eviction_takes_chain_tails_before_heads(
     spawn_daemon: Spawn, short_tmp: Path, pressure: str, request: pytest.FixtureRequest
 ) -> None:
-    if pressure == "capacity":
-        store, settings, chain = short_tmp / "store", {"storage.file.capacity": 100 * OBJECT}, 60
-    else:
-        store, settings, chain = request.getfixturevalue("small_fs") / "store", {}, 80
+    store, settings = _under(pressure, 100, short_tmp, request)
+    chain = 60 if pressure == "capacity" else 80
     node = _node(spawn_daemon, store, **settings)
     try:
         first, second = _keys("a", chain), _keys("b", chain)
@@ -129,10 +132,7 @@ def test_a_chain_stored_piece_by_piece_keeps_its_head_when_the_store_fills(
     a store that holds fewer: a STORE never evicts its own chain's tail to make room for its
     new objects (which would cut them off from the head), so the chain keeps the prefix that
     fits and a LOAD of the whole chain delivers it (docs/storage.md §4.1)."""
-    if pressure == "capacity":
-        store, settings = short_tmp / "store", {"storage.file.capacity": 90 * OBJECT}
-    else:
-        store, settings = request.getfixturevalue("small_fs") / "store", {}
+    store, settings = _under(pressure, 90, short_tmp, request)
     node = _node(spawn_daemon, store, **settings)
     try:
         whole = _keys("whole", 200)  # what the store holds: one STORE of the whole chain
