@@ -33,7 +33,7 @@ _SERVE_FLAGS = {
     "capacity": "host_cache.capacity",
     "metrics_port": "metrics.port",
     "storage": "storage.backend",
-    "storage_path": "storage.path",
+    "storage_path": "storage.file.path",
 }
 
 
@@ -47,7 +47,7 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--capacity", help="host_cache.capacity, e.g. 64GiB")
     p.add_argument("--metrics-port", help="metrics.port (the daemon adds its rank; 0: any free port)")
     p.add_argument("--storage", help="storage.backend: none, file, mooncake, redis")
-    p.add_argument("--storage-path", help="storage.path for the file backend")
+    p.add_argument("--storage-path", help="storage.file.path: the file backend's directory")
     p.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE", help="any setting; repeatable")
     p.add_argument(
         "--check-config", action="store_true", help="check the config against this machine, print it and exit"
@@ -129,6 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         warnings = preflight.check(config, running_ok=args.check_config)
     except ConfigError as exc:
         return _refuse(exc.problems, config)
+    warnings = [*config.warnings, *warnings]
     effective = {**config.to_dict(), "resolved": config.resolved()}
     if args.check_config:
         print(json.dumps(effective, indent=2, sort_keys=True))

@@ -4,6 +4,11 @@ Precedence, lowest to highest: built-in defaults, the TOML file, ``CACHEXFERD_<T
 environment variables, command-line overrides (``--set table.key=value`` and the named
 flags of ``cachexferd serve``). Every value is validated before anything binds; a bad
 value is a ConfigError that names the key and where it came from.
+
+Each storage backend has a table of its own, ``[storage.<backend>]``, declared with the
+backend in its registry (cachexferd.storage); ``[storage]`` keeps what every backend uses.
+The flat names of earlier releases (``storage.path``, ``storage.url``, ...) still read,
+each with one warning naming the new key (``Config.warnings``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from .backends import BACKEND_CHOICES
+from .setting import meta as _meta
+from .storage import BACKENDS as STORAGE_CHOICES
+from .storage import STORAGE_BACKENDS, FileSettings, MooncakeSettings, RedisSettings
 
 ENV_PREFIX = "CACHEXFERD_"
 # Outside 9100-9999, which Prometheus exporters have taken (node_exporter 9100, NVIDIA
@@ -54,16 +64,10 @@ def parse_size(value: Any) -> int:
     raise ValueError(f"{value!r} is not a size (use bytes or a unit: KiB MiB GiB TiB KB MB GB TB)")
 
 
-def _meta(doc: str, kind: str = "", **checks: Any) -> dict[str, Any]:
-    return {"doc": doc, "kind": kind, **checks}
-
-
 @dataclass(frozen=True)
 class DaemonConfig:
     rank: int = field(default=0, metadata=_meta("TP rank / GPU index this daemon serves; events carry it", lo=0))
-    backend: str = field(
-        default="auto", metadata=_meta("copy backend: cpu, cuda, or auto", choices=("auto", "cpu", "cuda"))
-    )
+    backend: str = field(default="auto", metadata=_meta("copy backend: cpu, cuda, or auto", choices=BACKEND_CHOICES))
     runtime_dir: str = field(
         default="", metadata=_meta("directory for ipc sockets (0700, 0750 with access.group); see docs/operations.md")
     )
@@ -78,6 +82,12 @@ class DaemonConfig:
         default=4096, metadata=_meta("accepted commands without an outcome yet, beyond it BUSY", lo=1)
     )
     watch_runner_pid: bool = field(default=True, metadata=_meta("detach automatically when the attached runner exits"))
+    expect_runner: bool = field(
+        default=False, metadata=_meta("readiness (/readyz) also needs an attached runner: set for a sidecar of one")
+    )
+    loop_stall_s: float = field(
+        default=10.0, metadata=_meta("liveness (/healthz) fails once the event loop has not run for this long", lo=1.0)
+    )
     log_level: str = field(
         default="info", metadata=_meta("debug, info, warning, error", choices=("debug", "info", "warning", "error"))
     )
@@ -149,28 +159,14 @@ class CudaConfig:
     )
 
 
+_TABLE = {"table": True}  # a sub-table field ([storage.file]): not a setting itself
+
+
 @dataclass(frozen=True)
 class StorageConfig:
-    backend: str = field(
-        default="file", metadata=_meta("none, file, mooncake, redis", choices=("none", "file", "mooncake", "redis"))
-    )
-    path: str = field(
-        default="", metadata=_meta("file backend directory, shared by the ranks; empty: see docs/operations.md")
-    )
-    capacity: int = field(
-        default=64 << 30,
-        metadata=_meta("file backend: bytes kept before the least recently used objects go; 0: no limit", kind="size"),
-    )
-    fsync: bool = field(default=False, metadata=_meta("file backend: fsync objects before rename"))
-    url: str = field(default="", metadata=_meta("redis backend URL, e.g. redis://127.0.0.1:6379/0"))
-    master: str = field(default="", metadata=_meta("mooncake master address host:port"))
-    local_hostname: str = field(default="127.0.0.1", metadata=_meta("mooncake: this node's address"))
-    metadata_server: str = field(default="P2PHANDSHAKE", metadata=_meta("mooncake metadata server"))
-    protocol: str = field(default="tcp", metadata=_meta("mooncake transport: tcp or rdma", choices=("tcp", "rdma")))
-    device_name: str = field(default="", metadata=_meta("mooncake RDMA device names, empty for tcp"))
-    segment_size: int = field(
-        default=0, metadata=_meta("mooncake: bytes this node contributes to the pool", kind="size")
-    )
+    """What every storage backend uses; each backend's own settings are in its sub-table."""
+
+    backend: str = field(default="file", metadata=_meta("none, file, mooncake, redis", choices=STORAGE_CHOICES))
     timeout_s: float = field(default=10.0, metadata=_meta("limit on every storage wait", lo=0.001))
     namespace: str = field(default="", metadata=_meta("prefix for every object name (isolates deployments)"))
     io_threads: int = field(
@@ -183,6 +179,9 @@ class StorageConfig:
             choices=("crc32", "sum64"),
         ),
     )
+    file: FileSettings = field(default_factory=FileSettings, metadata=_TABLE)
+    mooncake: MooncakeSettings = field(default_factory=MooncakeSettings, metadata=_TABLE)
+    redis: RedisSettings = field(default_factory=RedisSettings, metadata=_TABLE)
 
 
 @dataclass(frozen=True)
@@ -216,6 +215,8 @@ class Config:
     # Where each value that is not a default came from ('table.key' -> file, env or flag),
     # so later checks (cachexferd.preflight) can name it too. Not a setting.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    # Lines to log at start: settings read under a name of an earlier release. Not a setting.
+    warnings: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def source(self, key: str) -> str:
         """Where setting ``key`` ('table.key') came from: a file, 'env VAR', 'flag ...' or 'default'."""
@@ -228,7 +229,7 @@ class Config:
     @property
     def storage_path(self) -> Path:
         """The file backend's directory."""
-        return Path(self.storage.path or default_storage_path())
+        return Path(self.storage.file.path or default_storage_path())
 
     @property
     def endpoint(self) -> str:
@@ -239,7 +240,8 @@ class Config:
         return 0 if self.metrics.port == 0 else self.metrics.port + self.daemon.rank
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {name: dataclasses.asdict(getattr(self, name)) for name in TABLES}
+        """Every table, sub-tables nested (``{"storage": {"file": {...}, ...}}``)."""
+        return {name: dataclasses.asdict(getattr(self, name)) for name in TABLES if "." not in name}
 
     def resolved(self) -> dict[str, Any]:
         """What the empty and relative defaults become for this daemon, on this machine, for
@@ -262,8 +264,24 @@ TABLES: dict[str, type] = {
     "metrics": MetricsConfig,
     "cuda": CudaConfig,
     "storage": StorageConfig,
+    **{f"storage.{name}": spec.settings for name, spec in STORAGE_BACKENDS.items()},
     "access": AccessConfig,
 }
+# Settings of earlier releases under their new names: still read, with a warning.
+RENAMED = {
+    f"storage.{key}": f"storage.{backend}.{key}"
+    for backend, keys in {
+        "file": ("path", "capacity", "fsync"),
+        "redis": ("url",),
+        "mooncake": ("master", "local_hostname", "metadata_server", "protocol", "device_name", "segment_size"),
+    }.items()
+    for key in keys
+}
+
+
+def _settings_of(cls: type) -> list[dataclasses.Field[Any]]:
+    """The settings of a table: its fields but its sub-tables."""
+    return [fld for fld in fields(cls) if not fld.metadata.get("table")]
 
 
 def default_runtime_dir(rank: int) -> str:
@@ -294,15 +312,16 @@ _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^\s:\[\]]+):[0-9]{1,5}$")
 def validate_storage(config: Config) -> None:
     """Addresses of the selected storage backend: caught here, not at the first connect."""
     s = config.storage
-    if s.backend == "redis" and s.url and not s.url.startswith(_STORAGE_URL_SCHEMES):
+    url, master = s.redis.url, s.mooncake.master
+    if s.backend == "redis" and url and not url.startswith(_STORAGE_URL_SCHEMES):
         raise ConfigError(
-            f"storage.url (from {config.source('storage.url')}): {s.url!r} is not a Redis URL; "
+            f"storage.redis.url (from {config.source('storage.redis.url')}): {url!r} is not a Redis URL; "
             "use redis://HOST:PORT/DB, rediss://HOST:PORT/DB (TLS) or unix:///PATH"
         )
-    if s.backend == "mooncake" and s.master and not _HOST_PORT.match(s.master):
+    if s.backend == "mooncake" and master and not _HOST_PORT.match(master):
         raise ConfigError(
-            f"storage.master (from {config.source('storage.master')}): {s.master!r} is not a mooncake_master "
-            "address; use HOST:PORT, e.g. 127.0.0.1:50051"
+            f"storage.mooncake.master (from {config.source('storage.mooncake.master')}): {master!r} is not a "
+            "mooncake_master address; use HOST:PORT, e.g. 127.0.0.1:50051"
         )
 
 
@@ -413,22 +432,29 @@ class _Layers:
     def __init__(self) -> None:
         self.values: dict[str, dict[str, tuple[Any, str, bool]]] = {name: {} for name in TABLES}
         self.problems: list[str] = []
+        self.warnings: list[str] = []
 
     def put(self, table: str, key: str, value: Any, source: str, from_file: bool = False) -> None:
+        renamed = RENAMED.get(f"{table}.{key}")
+        if renamed is not None:
+            self.warnings.append(f"{table}.{key} (from {source}) is now {renamed}; it still works, but rename it")
+            table, key = renamed.rsplit(".", 1)
         if table not in TABLES:
             self.problems.append(str(_unknown(table, list(TABLES), "table", source)))
             return
-        known = [fld.name for fld in fields(TABLES[table])]
+        known = [fld.name for fld in _settings_of(TABLES[table])]
         if key not in known:
             self.problems.append(str(_unknown(key, known, f"key in [{table}]", source)))
             return
         self.values[table][key] = (value, source, from_file)
 
     def build(self) -> Config:
-        tables = {}
-        for name, cls in TABLES.items():
-            by_name = {fld.name: fld for fld in fields(cls)}
-            kwargs = {}
+        tables: dict[str, Any] = {}
+        for name in sorted(TABLES, key=lambda n: -n.count(".")):  # sub-tables before their table
+            cls = TABLES[name]
+            by_name = {fld.name: fld for fld in _settings_of(cls)}
+            kwargs = {k: v for k, v in tables.items() if k.rpartition(".")[0] == name}  # its sub-tables
+            kwargs = {k.rpartition(".")[2]: v for k, v in kwargs.items()}
             for k, (v, src, from_file) in self.values[name].items():
                 try:
                     kwargs[k] = _convert(name, by_name[k], v, src, from_file)
@@ -436,7 +462,8 @@ class _Layers:
                     self.problems += exc.problems  # the default stands in, so later checks still run
             tables[name] = cls(**kwargs)
         sources = {f"{t}.{k}": src for t, values in self.values.items() for k, (_, src, _) in values.items()}
-        config = Config(**tables, sources=sources)
+        top = {name: table for name, table in tables.items() if "." not in name}
+        config = Config(**top, sources=sources, warnings=tuple(self.warnings))
         self._check_whole(config)
         if self.problems:
             raise ConfigError(*self.problems)
@@ -475,8 +502,8 @@ def load_config(
                 continue
             layers.put(table, key, value, f"env {var}")
     for dotted, value in (overrides or {}).items():
-        table, _, key = dotted.partition(".")
-        if not key:
+        table, _, key = dotted.rpartition(".")
+        if not table:
             layers.problems.append(f"override {dotted!r} must look like table.key=value")
             continue
         layers.put(table, key, value, f"flag {dotted}")
@@ -505,14 +532,20 @@ def _load_file(layers: _Layers, path: Path) -> None:
             layers.problems.append(f"{path}: top-level key {table!r} must be a [table]")
             continue
         for key, value in values.items():
-            layers.put(table, key, value, str(path), from_file=True)
+            if isinstance(value, dict) and f"{table}.{key}" in TABLES:  # [storage.file]
+                for sub_key, sub_value in value.items():
+                    layers.put(f"{table}.{key}", sub_key, sub_value, str(path), from_file=True)
+            else:
+                layers.put(table, key, value, str(path), from_file=True)
 
 
 def _split_env(var: str) -> tuple[str, str]:
+    """CACHEXFERD_STORAGE_FILE_PATH -> ("storage.file", "path"): the longest table wins."""
     rest = var[len(ENV_PREFIX) :].lower()
     for table in sorted(TABLES, key=len, reverse=True):
-        if rest.startswith(table + "_"):
-            return table, rest[len(table) + 1 :]
+        prefix = table.replace(".", "_") + "_"
+        if rest.startswith(prefix):
+            return table, rest[len(prefix) :]
     raise _unknown(rest.split("_")[0], list(TABLES), "table", f"env {var} (CACHEXFERD_<TABLE>_<KEY>)")
 
 
@@ -520,7 +553,7 @@ def describe() -> list[tuple[str, Any, str]]:
     """(key, default, doc) for every setting, for docs and `cachexferd serve --help-config`."""
     rows = []
     for table, cls in TABLES.items():
-        for fld in fields(cls):
+        for fld in _settings_of(cls):
             default = fld.default if fld.default is not dataclasses.MISSING else None
             rows.append((f"{table}.{fld.name}", default, fld.metadata["doc"]))
     return rows

@@ -119,7 +119,7 @@ def run_chat(args: argparse.Namespace) -> int:
 def start_daemons(workdir: Path, storage: bool) -> list[DaemonProcess]:
     capacity = 2 * LAYOUT.num_blocks * LAYOUT.host_block_bytes
     settings: dict[str, Any] = {"metrics.port": 0, "host_cache.capacity": capacity}
-    settings.update({"storage.backend": "file", "storage.path": str(workdir / "pool")} if storage else {})
+    settings.update({"storage.backend": "file", "storage.file.path": str(workdir / "pool")} if storage else {})
     daemons = [DaemonProcess(workdir / f"rank{rank}", rank=rank, settings=dict(settings)) for rank in range(TP)]
     for daemon in daemons:
         daemon.start()

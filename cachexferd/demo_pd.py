@@ -63,19 +63,19 @@ def storage_settings(backend: str, workdir: Path, url: str | None, master: str |
     """Daemon settings for the shared pool; starts a local server when none was named."""
     with contextlib.ExitStack() as stack:
         if backend == "file":
-            settings: dict[str, Any] = {"storage.backend": "file", "storage.path": str(workdir / "pool")}
+            settings: dict[str, Any] = {"storage.backend": "file", "storage.file.path": str(workdir / "pool")}
         elif backend == "redis":
             if url is None:
                 server = RedisServer(workdir / "redis").start()
                 stack.callback(server.stop)
                 url = server.url
-            settings = {"storage.backend": "redis", "storage.url": url}
+            settings = {"storage.backend": "redis", "storage.redis.url": url}
         elif backend == "mooncake":
             if master is None:
                 cluster = MooncakeCluster(workdir / "mooncake").start()
                 stack.callback(cluster.stop)
                 master = cluster.master
-            settings = {"storage.backend": "mooncake", "storage.master": master}
+            settings = {"storage.backend": "mooncake", "storage.mooncake.master": master}
         else:
             raise ValueError(f"unknown storage backend {backend!r}")
         yield {**settings, "storage.timeout_s": 20, "host_cache.capacity": "64MiB", "metrics.port": 0}

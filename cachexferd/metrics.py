@@ -4,14 +4,17 @@ process in tests without clashing). Names follow the Prometheus conventions: bas
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Info, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info, disable_created_metrics, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.exposition import start_http_server
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.utils import floatToGoString
 
@@ -22,6 +25,8 @@ from .protocol import PROTOCOL_MAJOR, PROTOCOL_MINOR
 # count for nothing (process_start_time_seconds and the boot id say when a daemon started).
 disable_created_metrics()
 
+# An HTTP probe: (passes, JSON body), answered with 200 or 503. Called on the server's thread.
+Probe = Callable[[], tuple[bool, dict[str, Any]]]
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -81,9 +86,14 @@ class DaemonMetrics:
         self._thread: threading.Thread | None = None
         self.port = 0
 
-    def serve(self, host: str, port: int) -> int:
-        """Starts the HTTP endpoint; returns the bound port (useful with port 0)."""
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, probes: Mapping[str, Probe] | None = None) -> int:
+        """Starts the HTTP endpoint: ``/metrics`` (and any other path), plus the ``probes`` by
+        path; returns the bound port (useful with port 0)."""
+        app = _with_probes(make_wsgi_app(self.registry), dict(probes or {}))
+        server_class = type("Server", (_ThreadingServer,), {"address_family": _family(host, port)})
+        self._server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+        self._thread.start()
         self.port = self._server.server_port
         return self.port
 
@@ -98,6 +108,37 @@ class DaemonMetrics:
                 server.server_close()
 
             threading.Thread(target=close, name="metrics-stop", daemon=True).start()
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape or probe in progress never holds up the daemon's exit
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # every scrape and probe would be a line on stderr
+
+
+def _family(host: str, port: int) -> socket.AddressFamily:
+    """IPv6 for an IPv6 address (``::``, ``::1``), else IPv4."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    return infos[0][0]
+
+
+def _with_probes(metrics: Callable[..., Iterable[bytes]], probes: dict[str, Probe]) -> Callable[..., Iterable[bytes]]:
+    """A WSGI app: the probes at their paths (JSON, 200 or 503, never cached), metrics elsewhere."""
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        probe = probes.get(environ.get("PATH_INFO", ""))
+        if probe is None:
+            return metrics(environ, start_response)
+        passes, body = probe()
+        data = (json.dumps(body, sort_keys=True) + "\n").encode()
+        headers = [("Content-Type", "application/json"), ("Content-Length", str(len(data)))]
+        start_response("200 OK" if passes else "503 Service Unavailable", [*headers, ("Cache-Control", "no-store")])
+        return [] if environ.get("REQUEST_METHOD") == "HEAD" else [data]
+
+    return app
 
 
 class BatchStats:

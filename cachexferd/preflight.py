@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import TypeVar
 
 from .config import Config, ConfigError
+from .storage import STORAGE_BACKENDS
 from .units import human_bytes
 
 EXIT_CONFIG = 2
 T = TypeVar("T")
 _IPC_PATH_MAX = 107  # sun_path is 108 bytes with its terminating NUL
 _DAEMON_OVERHEAD = 512 << 20  # interpreter, torch and the daemon beside the host cache
-_EXTRAS = {"redis": ("redis", "redis"), "mooncake": ("mooncake", "mooncake")}  # backend: (module, pip extra)
 
 
 def check(config: Config, *, running_ok: bool = False) -> list[str]:
@@ -213,17 +213,16 @@ def _mem_available() -> int | None:
 
 def check_storage(config: Config) -> list[str]:
     backend = config.storage.backend
-    if backend in _EXTRAS:
-        module, extra = _EXTRAS[backend]
-        if importlib.util.find_spec(module) is None:
-            raise ConfigError(
-                f"{_setting(config, 'storage.backend')}: {backend!r} needs the {module} client, which is not "
-                f"installed; pip install 'cachexferd[{extra}]', or choose another storage.backend"
-            )
-    if backend == "mooncake" and config.storage.protocol == "rdma" and not _has_rdma_device():
+    spec = STORAGE_BACKENDS.get(backend)
+    if spec is not None and spec.client and importlib.util.find_spec(spec.client) is None:
         raise ConfigError(
-            f"{_setting(config, 'storage.protocol')}: 'rdma' but this host has no RDMA device "
-            '(/sys/class/infiniband is empty); set storage.protocol = "tcp"'
+            f"{_setting(config, 'storage.backend')}: {backend!r} needs the {spec.client} client, which is not "
+            f"installed; pip install 'cachexferd[{spec.extra}]', or choose another storage.backend"
+        )
+    if backend == "mooncake" and config.storage.mooncake.protocol == "rdma" and not _has_rdma_device():
+        raise ConfigError(
+            f"{_setting(config, 'storage.mooncake.protocol')}: 'rdma' but this host has no RDMA device "
+            '(/sys/class/infiniband is empty); set storage.mooncake.protocol = "tcp"'
         )
     if backend == "file":
         return _file_storage_warnings(config)
@@ -243,7 +242,7 @@ def _file_storage_warnings(config: Config) -> list[str]:
     shared file system not mounted yet, permissions an operator fixes), so the rest are
     warnings: storage commands answer STORAGE_UNAVAILABLE meanwhile, and status says why."""
     path = config.storage_path
-    key = _setting(config, "storage.path")
+    key = _setting(config, "storage.file.path")
     existing = _nearest_existing(path)
     if not existing.is_dir():
         kind = _file_kind(existing)
@@ -257,16 +256,16 @@ def _file_storage_warnings(config: Config) -> list[str]:
         )
     disk = os.statvfs(existing)
     if disk.f_flag & os.ST_RDONLY:
-        return [f"storage.path {path} is on a read-only file system ({existing}): storage commands fail until it "
+        return [f"storage.file.path {path} is on a read-only file system ({existing}): storage commands fail until it "
                 "is writable (a shared file system not mounted yet?)"]  # fmt: skip
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "cannot be created" if existing != path else "is not writable"
-        return [f"storage.path {path} {what} by this user (uid {os.getuid()}: {existing} is not writable): storage "
-                "commands fail until it is"]  # fmt: skip
+        return [f"storage.file.path {path} {what} by this user (uid {os.getuid()}: {existing} is not writable): "
+                "storage commands fail until it is"]  # fmt: skip
     size = disk.f_blocks * disk.f_frsize
-    if config.storage.capacity > size:
+    if config.storage.file.capacity > size:
         return [
-            f"storage.capacity {human_bytes(config.storage.capacity)} is more than the file system holding "
+            f"storage.file.capacity {human_bytes(config.storage.file.capacity)} is more than the file system holding "
             f"{path} ({human_bytes(size)}): a full disk stops stores before eviction does"
         ]
     return []

@@ -46,14 +46,23 @@ class Endpoint:
         return self.scheme == "ipc" and self.address.startswith("@")
 
     @property
+    def wildcard(self) -> bool:
+        """A tcp bind-all address (``*``, ``0.0.0.0``, ``::``): a socket binds there, nothing connects to it."""
+        return self._tcp_host_is("*", "is_unspecified")
+
+    @property
     def loopback(self) -> bool:
+        return self._tcp_host_is("localhost", "is_loopback")
+
+    def _tcp_host_is(self, name: str, ip_property: str) -> bool:
+        """A tcp endpoint whose host is ``name``, or an IP address with ``ip_property`` true."""
         if self.scheme != "tcp":
             return False
-        if self.address == "localhost":
+        if self.address == name:
             return True
         try:
-            return ipaddress.ip_address(self.address).is_loopback
-        except ValueError:
+            return bool(getattr(ipaddress.ip_address(self.address), ip_property))
+        except ValueError:  # a host name
             return False
 
 

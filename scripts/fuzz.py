@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def fuzz(tmp: Path, count: int, seed: int) -> int:
-    settings = {"storage.path": str(tmp / "pool"), "metrics.port": 0, "host_cache.capacity": "16MiB",
+    settings = {"storage.file.path": str(tmp / "pool"), "metrics.port": 0, "host_cache.capacity": "16MiB",
                 "daemon.drain_timeout_s": 2.0}  # fmt: skip
     daemon = DaemonProcess(tmp / "rt", settings=settings)
     daemon.start()

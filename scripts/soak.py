@@ -85,7 +85,7 @@ class Runner:
 class Soak:
     def __init__(self, workdir: Path, rng: random.Random) -> None:
         settings = {"metrics.port": 0, "host_cache.capacity": "8MiB", "daemon.drain_timeout_s": 2.0,
-                    "storage.backend": "file", "storage.path": str(workdir / "store")}  # fmt: skip
+                    "storage.backend": "file", "storage.file.path": str(workdir / "store")}  # fmt: skip
         self.daemon = DaemonProcess(workdir / "daemon", settings=settings)
         self.daemon.start()
         self.rng, self.tally = rng, Tally()

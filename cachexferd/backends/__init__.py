@@ -1,18 +1,30 @@
-"""Copy backends, selected by name and imported lazily.
+"""Copy backends, declared in one table (``COPY_BACKENDS``) and imported lazily by name.
 
-The cpu path never imports cachexferd.backends.cuda (nor anything CUDA-only).
+The configuration reads the table for the values of ``daemon.backend``; the daemon imports
+the selected backend's module only. The cpu path never imports cachexferd.backends.cuda
+(nor anything CUDA-only).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from ..config import Config
     from .base import Backend
 
-_MODULES = {"cpu": "cachexferd.backends.cpu", "cuda": "cachexferd.backends.cuda"}
+
+class CopyBackendSpec(NamedTuple):
+    module: str  # imported when the backend is selected; its create(config) makes the backend
+    table: str = ""  # the configuration table of its own settings ("" none)
+
+
+COPY_BACKENDS: dict[str, CopyBackendSpec] = {
+    "cpu": CopyBackendSpec("cachexferd.backends.cpu"),
+    "cuda": CopyBackendSpec("cachexferd.backends.cuda", table="cuda"),
+}
+BACKEND_CHOICES = ("auto", *COPY_BACKENDS)  # the values of daemon.backend
 
 
 def resolve_name(name: str) -> str:
@@ -26,8 +38,8 @@ def resolve_name(name: str) -> str:
 
 def load_backend(name: str, config: Config) -> Backend:
     resolved = resolve_name(name)
-    if resolved not in _MODULES:
-        raise ValueError(f"unknown backend {name!r}; choose one of {sorted(_MODULES)} or 'auto'")
-    module = importlib.import_module(_MODULES[resolved])
+    if resolved not in COPY_BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {sorted(COPY_BACKENDS)} or 'auto'")
+    module = importlib.import_module(COPY_BACKENDS[resolved].module)
     backend: Backend = module.create(config)
     return backend

@@ -461,6 +461,8 @@ def _copy_pairs(group: TensorGroup, to_host: bool, src_ids: list[int], dst_ids: 
     one call. Destinations never repeat within a batch (a command's destination ids are
     unique, and two commands writing one block are never ready together)."""
     count = len(src_ids)
+    if count == 0:  # empty swaps: torch's list copy refuses an empty list
+        return
     if count > 1 and _one_run(src_ids, dst_ids):  # one slice copy: each byte moves once
         src, dst = src_ids[0], dst_ids[0]
         src_view, dst_view = (group.device, group.host) if to_host else (group.host, group.device)

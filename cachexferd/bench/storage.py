@@ -82,15 +82,15 @@ def backend_setup(
     with contextlib.ExitStack() as stack:
         if name == "file":
             root = Path(args.path) if args.path else _scratch(stack)
-            settings: dict[str, Any] = {"storage.backend": "file", "storage.path": str(root / "daemon")}
+            settings: dict[str, Any] = {"storage.backend": "file", "storage.file.path": str(root / "daemon")}
             raw: RawClient = RawFile(root / "raw", n, obj, threads)
         elif name == "redis":
             url = args.redis_url or _started(stack, RedisServer(workdir / "redis", maxmemory="4gb")).url
-            settings, raw = {"storage.backend": "redis", "storage.url": url}, RawRedis(url, n, obj, threads)
+            settings, raw = {"storage.backend": "redis", "storage.redis.url": url}, RawRedis(url, n, obj, threads)
         else:
             segment = str(max(1 << 30, 4 * n * obj))
             master = args.mooncake_master or _started(stack, MooncakeCluster(workdir / "mc", segment=segment)).master
-            settings = {"storage.backend": "mooncake", "storage.master": master}
+            settings = {"storage.backend": "mooncake", "storage.mooncake.master": master}
             with _stderr_to(workdir / "mooncake-client.log"):  # glog's start-up lines, even at ERROR
                 raw = RawMooncake(master, n, obj, threads)
         stack.callback(raw.close)

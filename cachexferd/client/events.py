@@ -138,8 +138,7 @@ class Zap:
 
 
 def _refuse_wildcard(events: str) -> None:
-    host = parse_endpoint(events).address
-    if host in ("*", "0.0.0.0", "::"):
+    if parse_endpoint(events).wildcard:
         raise ValueError(
             f"events endpoint {events!r}: name the address the daemons reach this machine at, not a wildcard "
             "(they connect to it)"

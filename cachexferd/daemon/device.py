@@ -44,7 +44,7 @@ class DeviceSlot:
         self,
         backend: Backend,
         host: HostCache,
-        ordering: BlockOrdering,
+        ordering: BlockOrdering[Any],
         metrics: DaemonMetrics,
         config: DaemonConfig,
         spawn: Spawn,

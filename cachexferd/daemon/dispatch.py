@@ -28,7 +28,7 @@ from ..protocol import (
     decode_commands,
     decode_frames,
 )
-from .groups import SwapGroup, SwapGroups
+from .groups import SwapGroups
 from .request import Request
 
 if TYPE_CHECKING:
@@ -58,7 +58,6 @@ class Dispatcher:
     ) -> None:  # fmt: skip
         self.handlers, self.jobs, self.outcomes, self.sessions = handlers, jobs, outcomes, sessions
         self.max_inflight, self._admit, self._spawn = max_inflight, admit, spawn
-        self._inflight: set[tuple[bytes, int]] = set()  # (client identity, req_id) without outcome
         self._held: deque[Request] | None = None  # behind a running barrier
         self._accepted: list[Request] = []  # asynchronous commands accepted, not yet registered
         self._accepted_commands = 0  # how many commands those hold (a group holds several)
@@ -116,7 +115,7 @@ class Dispatcher:
         if self._held is not None and cmd.TYPE not in IMMEDIATE:
             self._held.append(req)
             return
-        if (req.identity, req.req_id) in self._inflight:
+        if self.outcomes.in_flight(req.identity, req.req_id):
             detail = f"req_id {req.req_id} is already in flight; this refusal is not that command's outcome"
             self.outcomes.send(req, ErrorCode.DUPLICATE_REQ_ID, detail, {}, as_reply=True)
             return
@@ -144,16 +143,15 @@ class Dispatcher:
         if len(self.jobs.ordering) + self._accepted_commands + len(cmds) > self.max_inflight:
             return False
         req_ids = {cmd.req_id for cmd in cmds}
-        if len(req_ids) < len(cmds) or 0 in req_ids or not self._inflight.isdisjoint([(identity, r) for r in req_ids]):
+        if len(req_ids) < len(cmds) or 0 in req_ids or self.outcomes.any_in_flight(identity, req_ids):
             return False
         groups = self.groups.plan(identity, cmds, received)
         if groups is None:
             return False
         for group in groups:
-            self._inflight.update(group.keys)
+            self.outcomes.track(group, session)
             self._accepted.append(group)
             self._accepted_commands += group.weight
-        session.inflight += len(cmds)
         self.batch_stats.grouped_swaps += len(cmds)
         return True
 
@@ -166,8 +164,7 @@ class Dispatcher:
         if len(self.jobs.ordering) + self._accepted_commands >= self.max_inflight:
             raise ProtocolError(ErrorCode.BUSY, f"{self.max_inflight} commands in flight; retry later")
         req.job = self.handlers.jobs[cmd.TYPE](cmd)
-        self._inflight.add((req.identity, req.req_id))
-        session.inflight += 1
+        self.outcomes.track(req, session)
         self._accepted.append(req)
         self._accepted_commands += 1
 
@@ -177,38 +174,6 @@ class Dispatcher:
             self._accepted_commands = 0
             self.jobs.submit(accepted)
 
-    def jobs_done(self, decided: list[tuple[Request, int, str, dict[str, Any]]]) -> None:
-        """``job_done`` for the outcomes of a batch of copies, in order."""
-        forget, session_of, send_to = self._inflight.discard, self.sessions.get, self.outcomes.send_to
-        for req, code, detail, result in decided:
-            if req.__class__ is SwapGroup:
-                self._group_done(req, code, detail, result)
-                continue
-            identity = req.identity
-            forget((identity, req.req_id))
-            session = session_of(identity)
-            if session is not None and session.inflight:
-                session.inflight -= 1
-            send_to(session, req, code, detail, result)
-
-    def job_done(self, req: Request, code: int, detail: str, result: dict[str, Any]) -> None:
-        """The completion callback of Jobs: forget the req_id, send the outcome."""
-        if req.__class__ is SwapGroup:
-            self._group_done(req, code, detail, result)
-            return
-        self._inflight.discard((req.identity, req.req_id))
-        session = self.sessions.get(req.identity)
-        if session is not None and session.inflight:
-            session.inflight -= 1
-        self.outcomes.send_to(session, req, code, detail, result)
-
-    def _group_done(self, group: SwapGroup, code: int, detail: str, result: dict[str, Any]) -> None:
-        self._inflight.difference_update(group.keys)
-        session = self.sessions.get(group.identity)
-        if session is not None:
-            session.inflight = max(0, session.inflight - group.weight)
-        self.outcomes.send_group(session, group, code, detail, result)
-
     def _run_sync(self, req: Request, cmd: Command) -> None:
         self._register_accepted()  # what arrived before this command is in flight for it
         if cmd.TYPE == MsgType.HELLO:
@@ -217,7 +182,7 @@ class Dispatcher:
         if isinstance(result, dict):
             self.outcomes.send(req, ErrorCode.OK, "", result)
             return
-        self._inflight.add((req.identity, req.req_id))
+        self.outcomes.track(req, self.sessions.get(req.identity))
         if cmd.TYPE in BARRIERS:
             self._held = deque()
         self._spawn(self._finish_sync(req, cmd, result))
@@ -231,8 +196,7 @@ class Dispatcher:
         except Exception as exc:
             log.exception("%s failed", cmd.TYPE.name)
             code, detail = ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
-        self._inflight.discard((req.identity, req.req_id))
-        self.outcomes.send(req, code, detail, result)
+        self.outcomes.finish(req, code, detail, result)
         if cmd.TYPE in BARRIERS:
             self._release_held()
 

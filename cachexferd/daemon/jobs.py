@@ -11,9 +11,10 @@ Ready jobs are started once per turn (``turn.Turn``: at the end of the loop call
 made them ready): every ready copy of one direction goes to
 the copy backend as one batch (one hand-off to the copy workers for the lot, not one per
 command; a batch of a few small blocks is copied on the spot, see DeviceCache.inline_bytes),
-every other job runs as a task. Each job ends in ``_complete`` (a batch of copies in
-``_copies_done``), which decides its outcome exactly once, releases its blocks and starts
-whatever that made ready.
+a copy of no blocks ends at once, every other job runs as a task. Each job ends in
+``_complete`` (a batch of copies in ``_copies_done``), which decides its outcome exactly
+once, releases its blocks, hands the outcome to Outcomes (which owns what is in flight) and
+starts whatever that made ready.
 """
 
 from __future__ import annotations
@@ -27,19 +28,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ..backends.base import CancelToken, DeviceCache, Direction, SwapRequest
 from ..protocol import ErrorCode, ProtocolError
 from .ordering import Access, BlockOrdering, Entry
-from .request import Request
+from .request import Decided, Request
 from .turn import Turn
 
 if TYPE_CHECKING:
     from ..metrics import DaemonMetrics
+    from .outcomes import Outcomes
 
 log = logging.getLogger(__name__)
 
 Work = Callable[[CancelToken], Awaitable[dict[str, Any]]]
-# (request, code, detail, result): sends the one outcome.
-Complete = Callable[[Request, int, str, dict[str, Any]], None]
-Decided = tuple[Request, int, str, dict[str, Any]]
-CompleteMany = Callable[[list[Decided]], None]  # several outcomes, in order
+Ordered = Entry[Request]  # a registered command: its payload is the Request, carrying its Job
 MAX_COPY_BATCH = 256  # commands per hand-off: bounds how long the first of a burst waits for the last
 
 
@@ -69,25 +68,31 @@ class Job(NamedTuple):
     copy: Copy | None = None  # swaps: batched with the other ready copies
 
 
+def _job(entry: Ordered) -> Job:
+    job = entry.payload.job
+    assert job is not None, "only accepted asynchronous commands are registered"
+    return job
+
+
+def _copy(entry: Ordered) -> Copy:
+    copy = _job(entry).copy
+    assert copy is not None, "only swaps reach the copy path"
+    return copy
+
+
 class Jobs:
-    def __init__(self, ordering: BlockOrdering, metrics: DaemonMetrics, complete: Complete,
-                 turn: Turn | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, ordering: BlockOrdering[Request], metrics: DaemonMetrics, outcomes: Outcomes, turn: Turn | None = None
+    ) -> None:
         self.ordering = ordering
         self.turn = turn or Turn()
         self.metrics = metrics
-        self._complete_cb = complete  # the entries' payloads are Requests; this sends their outcomes
-        self._complete_many: CompleteMany = self._each
-        self._ready: list[Entry] = []
+        self.outcomes = outcomes  # every job's end goes there: the outcome, and what is in flight
+        self._ready: list[Ordered] = []
         self._scheduled = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._held: set[asyncio.Task[None]] = set()  # not awaited at shutdown: may never end
         self._moved = {d: metrics.transfer_bytes.labels(d.value) for d in Direction}
-
-    def on_complete(self, complete: Complete, complete_many: CompleteMany | None = None) -> None:
-        """Replaces the completion callbacks (once the daemon has built their receiver);
-        ``complete_many`` takes the outcomes of a batch of copies at once."""
-        self._complete_cb = complete
-        self._complete_many = complete_many or self._each
 
     def submit(self, requests: list[Request]) -> None:
         """Registers accepted commands (each with its job), in arrival order, and schedules
@@ -95,7 +100,7 @@ class Jobs:
         register = self.ordering.register
         ready = []
         for req in requests:
-            assert req.job is not None
+            assert req.job is not None, "an accepted asynchronous command carries its job"
             entry = register(req.job.access, req, req.weight)
             if entry.unmet == 0:
                 ready.append(entry)
@@ -104,7 +109,7 @@ class Jobs:
         if len(ready) < len(requests):
             self._publish()
 
-    def _make_ready(self, entries: list[Entry]) -> None:
+    def _make_ready(self, entries: list[Ordered]) -> None:
         self._ready.extend(entries)
         if not self._scheduled:
             self._scheduled = True
@@ -113,16 +118,19 @@ class Jobs:
     def _start_ready(self) -> None:
         self._scheduled = False
         ready, self._ready = self._ready, []
-        batches: dict[tuple[int, Direction], list[Entry]] = {}
+        batches: dict[tuple[int, Direction], list[Ordered]] = {}
         start = self.ordering.start
         for entry in ready:
-            copy: Copy | None = entry.payload.job.copy
+            copy = _job(entry).copy
             if entry.cancel.cancelled:  # cancelled while it waited: it never starts
                 self._complete(entry, entry.cancel.code, entry.cancel.detail, {})
                 continue
             start(entry)
             if copy is None:
                 self._spawn(self._run_work(entry))
+                continue
+            if not copy.device_ids:  # an empty swap: done, without troubling the backend
+                self._copies_done([entry], [None], time.monotonic())
                 continue
             key = (id(copy.cache), copy.direction)
             batch = batches.get(key)
@@ -135,9 +143,9 @@ class Jobs:
             self._start_copies(batch)
         self._publish()
 
-    def _start_copies(self, entries: list[Entry]) -> None:
+    def _start_copies(self, entries: list[Ordered]) -> None:
         """Small batches are copied right here (cheaper than a hand-off); others off the loop."""
-        first: Copy = entries[0].payload.job.copy
+        first = _copy(entries[0])
         requests = _requests(entries)
         blocks = sum([len(r.device_ids) for r in requests])
         if blocks * first.cache.layout.host_block_bytes > first.cache.inline_bytes:
@@ -150,8 +158,8 @@ class Jobs:
             errors = [exc] * len(entries)
         self._copies_done(entries, errors, started)
 
-    async def _run_copies(self, entries: list[Entry]) -> None:
-        first: Copy = entries[0].payload.job.copy
+    async def _run_copies(self, entries: list[Ordered]) -> None:
+        first = _copy(entries[0])
         started = time.monotonic()
         try:
             errors = await first.cache.swap_many(first.direction, _requests(entries))
@@ -160,19 +168,19 @@ class Jobs:
         self._copies_done(entries, errors, started)
         self._publish()
 
-    def _copies_done(self, entries: list[Entry], errors: list[BaseException | None], started: float) -> None:
+    def _copies_done(self, entries: list[Ordered], errors: list[BaseException | None], started: float) -> None:
         """The outcomes of a batch of copies, their blocks released together."""
         finished = time.monotonic()
-        first: Copy = entries[0].payload.job.copy
+        first = _copy(entries[0])
         block_bytes = first.cache.layout.host_block_bytes
         moved = 0
-        ready: list[Entry] = []
+        ready: list[Ordered] = []
         decided: list[Decided] = []
         complete, ok = self.ordering.complete, ErrorCode.OK
         for entry, error in zip(entries, errors):
-            req: Request = entry.payload
+            req = entry.payload
             if error is None:
-                blocks = len(req.job.copy.device_ids)  # type: ignore[union-attr]
+                blocks = len(_copy(entry).device_ids)
                 size = blocks * block_bytes
                 moved += size
                 released = complete(entry, ok)
@@ -184,19 +192,14 @@ class Jobs:
                 code, detail = self._describe(entry, error)
                 ready += complete(entry, code)
                 decided.append((req, code, detail, {}))
-        self._complete_many(decided)  # after the releases: nothing reads them before the loop runs again
+        self.outcomes.finish_many(decided)  # after the releases: nothing reads them before the loop runs again
         if ready:
             self._make_ready(ready)
         self._moved[first.direction].inc(moved)
 
-    def _each(self, decided: list[Decided]) -> None:
-        done = self._complete_cb
-        for req, code, detail, result in decided:
-            done(req, code, detail, result)
-
-    async def _run_work(self, entry: Entry) -> None:
-        work = entry.payload.job.work
-        assert work is not None
+    async def _run_work(self, entry: Ordered) -> None:
+        work = _job(entry).work
+        assert work is not None, "a job is a copy or work"
         hold: Awaitable[Any] | None = None
         code, detail, result = ErrorCode.OK, "", {}
         try:
@@ -212,15 +215,15 @@ class Jobs:
         self._complete(entry, code, detail, result, hold)
         self._publish()
 
-    def _describe(self, entry: Entry, error: BaseException) -> tuple[ErrorCode, str]:
+    def _describe(self, entry: Ordered, error: BaseException) -> tuple[ErrorCode, str]:
         if isinstance(error, ProtocolError):
             return error.code, error.detail
-        req: Request = entry.payload
+        req = entry.payload
         log.error("%s req_id=%d failed", req.cmd.TYPE.name if req.cmd else req.op, req.req_id, exc_info=error)
         return ErrorCode.INTERNAL, f"{type(error).__name__}: {error}"  # a bug must still produce an outcome
 
     def _complete(
-        self, entry: Entry, code: int, detail: str, result: dict[str, Any], hold: Awaitable[Any] | None = None
+        self, entry: Ordered, code: int, detail: str, result: dict[str, Any], hold: Awaitable[Any] | None = None
     ) -> None:
         if hold is None:
             ready = self.ordering.complete(entry, code)
@@ -229,9 +232,9 @@ class Jobs:
         else:
             self.ordering.finish(entry, code)
             self._release_later(entry, hold)
-        self._complete_cb(entry.payload, code, detail, result)
+        self.outcomes.finish(entry.payload, code, detail, result)
 
-    def _release_later(self, entry: Entry, running: Awaitable[Any]) -> None:
+    def _release_later(self, entry: Ordered, running: Awaitable[Any]) -> None:
         async def release() -> None:
             try:
                 await running
@@ -276,9 +279,9 @@ class Jobs:
 _new_tuple: Any = tuple.__new__
 
 
-def _requests(entries: list[Entry]) -> list[SwapRequest]:
+def _requests(entries: list[Ordered]) -> list[SwapRequest]:
     requests = []
     for entry in entries:
-        copy = entry.payload.job.copy
+        copy = _copy(entry)
         requests.append(_new_tuple(SwapRequest, (copy.device_ids, copy.host_ids, entry.cancel)))
     return requests

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Hashable, Iterable
 from enum import IntEnum
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from ..backends.base import CancelToken
 
@@ -84,23 +84,24 @@ class Phase(IntEnum):
 
 
 _RUNNING, _FINISHED, _RELEASED = Phase.RUNNING, Phase.FINISHED, Phase.RELEASED
+P = TypeVar("P")  # what the caller registers with each entry (the daemon: its Request)
 
 
-class Entry:
+class Entry(Generic[P]):
     """One registered command, or a group of commands that run and end together (a BATCH's
     swaps on disjoint blocks: ``weight`` commands). ``payload`` is the caller's (what to run
     when ready)."""
 
     __slots__ = ("_waiters", "access", "cancel", "code", "dependents", "payload", "phase", "unmet", "weight")
 
-    def __init__(self, access: Access, payload: Any, weight: int = 1) -> None:
+    def __init__(self, access: Access, payload: P, weight: int = 1) -> None:
         self.access = access
         self.payload = payload
         self.weight = weight
         self.cancel = CancelToken()
         self.phase = Phase.WAITING
         self.unmet = 0  # unreleased entries this one waits for
-        self.dependents: list[Entry] = []
+        self.dependents: list[Entry[P]] = []
         self.code = 0  # the outcome's code, set by finish()
         self._waiters: list[asyncio.Future[None]] | None = None
 
@@ -125,16 +126,16 @@ class Entry:
         self._waiters = None
 
 
-class _Board:
+class _Board(Generic[P]):
     """One id space: the last unreleased writer of each id and the readers since it."""
 
     __slots__ = ("readers", "writer")
 
     def __init__(self) -> None:
-        self.writer: dict[Hashable, Entry] = {}
-        self.readers: dict[Hashable, set[Entry]] = {}
+        self.writer: dict[Hashable, Entry[P]] = {}
+        self.readers: dict[Hashable, set[Entry[P]]] = {}
 
-    def claim(self, entry: Entry, reads: frozenset[Any], writes: frozenset[Any], deps: set[Entry]) -> int:
+    def claim(self, entry: Entry[P], reads: frozenset[Any], writes: frozenset[Any], deps: set[Entry[P]]) -> int:
         """Records the entry's accesses, adds what it must wait for; returns ids examined."""
         for i in reads:
             if writes and i in writes:
@@ -157,7 +158,7 @@ class _Board:
             self.writer[i] = entry
         return len(reads) + len(writes)
 
-    def drop(self, entry: Entry, reads: frozenset[Any], writes: frozenset[Any]) -> None:
+    def drop(self, entry: Entry[P], reads: frozenset[Any], writes: frozenset[Any]) -> None:
         for i in writes:
             if self.writer.get(i) is entry:
                 del self.writer[i]
@@ -169,24 +170,26 @@ class _Board:
                     del self.readers[i]
 
 
-class BlockOrdering:
+class BlockOrdering(Generic[P]):
     def __init__(self) -> None:
-        self._device, self._host, self._keys = _Board(), _Board(), _Board()
-        self._entries: dict[Entry, None] = {}  # unreleased, in registration order
-        self._device_entries: dict[Entry, None] = {}
-        self._host_entries: dict[Entry, None] = {}
-        self._host_barrier: Entry | None = None  # the last unreleased CLEAR_HOST
+        self._device: _Board[P] = _Board()
+        self._host: _Board[P] = _Board()
+        self._keys: _Board[P] = _Board()
+        self._entries: dict[Entry[P], None] = {}  # unreleased, in registration order
+        self._device_entries: dict[Entry[P], None] = {}
+        self._host_entries: dict[Entry[P], None] = {}
+        self._host_barrier: Entry[P] | None = None  # the last unreleased CLEAR_HOST
         self.waiting = 0  # commands registered, not started
         self.running = 0  # commands started, outcome not decided
         self.commands = 0  # commands registered, not released
         self.examined = 0  # ids and dependencies looked at, ever (a work count for tests)
 
-    def register(self, access: Access, payload: Any = None, weight: int = 1) -> Entry:
+    def register(self, access: Access, payload: P, weight: int = 1) -> Entry[P]:
         """Adds a command (``weight`` commands that run as one); ``entry.ready`` tells whether
         it may start now. A board the command does not touch is not visited: a swap looks at
         two boards, a lookup at one."""
         entry = Entry(access, payload, weight)
-        deps: set[Entry] = set()
+        deps: set[Entry[P]] = set()
         device_read, device_write, host_read, host_write, all_host, keys_read, keys_write = access
         examined = 0
         if device_read or device_write:
@@ -210,7 +213,7 @@ class BlockOrdering:
         self.commands += weight
         return entry
 
-    def _claim_all_host(self, entry: Entry, deps: set[Entry]) -> None:
+    def _claim_all_host(self, entry: Entry[P], deps: set[Entry[P]]) -> None:
         barrier = self._host_barrier
         if barrier is not None:
             deps.add(barrier)
@@ -218,13 +221,13 @@ class BlockOrdering:
             deps.update(self._host_entries)  # only CLEAR_HOST pays for the host work in flight
             self._host_barrier = entry
 
-    def start(self, entry: Entry) -> None:
+    def start(self, entry: Entry[P]) -> None:
         if entry.phase is Phase.WAITING:
             entry.phase = Phase.RUNNING
             self.waiting -= entry.weight
             self.running += entry.weight
 
-    def finish(self, entry: Entry, code: int) -> None:
+    def finish(self, entry: Entry[P], code: int) -> None:
         """The outcome is decided; the blocks stay claimed until ``release``."""
         if entry.phase >= Phase.FINISHED:
             return
@@ -235,13 +238,13 @@ class BlockOrdering:
         entry.phase, entry.code = Phase.FINISHED, code
         entry._resolve_waiters()
 
-    def release(self, entry: Entry) -> list[Entry]:
+    def release(self, entry: Entry[P]) -> list[Entry[P]]:
         """Frees the entry's blocks; returns dependents that became ready, in order."""
         if entry.phase is Phase.RELEASED:
             return []
         return self.complete(entry, entry.code)
 
-    def complete(self, entry: Entry, code: int) -> list[Entry]:
+    def complete(self, entry: Entry[P], code: int) -> list[Entry[P]]:
         """``finish`` and ``release`` at once (the common end of a job); returns the
         dependents that became ready, in registration order."""
         phase = entry.phase
@@ -279,7 +282,7 @@ class BlockOrdering:
                 ready.append(dependent)
         return ready
 
-    def active(self, device_only: bool = False) -> list[Entry]:
+    def active(self, device_only: bool = False) -> list[Entry[P]]:
         """Unreleased entries in registration order (all, or those touching the device)."""
         return list(self._device_entries if device_only else self._entries)
 

@@ -1,4 +1,11 @@
-"""Sends the one outcome of every command, counts it, and batches events per wake-up.
+"""Sends the one outcome of every command, counts it, and batches events per wake-up; and
+owns what is in flight: which (client, req_id) pairs have no outcome yet.
+
+A command the dispatcher accepts for later (an asynchronous job, a synchronous command that
+awaits, like ATTACH) is ``track``ed; its end, wherever it is decided (a copy, a storage
+task, a barrier's reply), comes here through ``finish`` (or ``finish_many`` for a batch of
+copies), which forgets it, updates its client's count and sends the outcome: one place
+knows both, so a req_id is free for reuse exactly when its outcome leaves.
 
 Routing: the outcome of an asynchronous command from a client with an event channel goes
 out as an EVENT on that channel; everything else (synchronous commands, commands that could
@@ -16,16 +23,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..protocol import ASYNC_TYPES, ErrorCode, Limits, MsgType, encode_event_batch, encode_outcome_fields
-from .request import Request
+from .groups import SwapGroup
+from .request import Decided, Request
 from .turn import Turn
 
 if TYPE_CHECKING:
     from ..metrics import DaemonMetrics
-    from .groups import SwapGroup
     from .sessions import EventSinks, Session, Sessions
 
 log = logging.getLogger(__name__)
@@ -53,6 +60,45 @@ class Outcomes:
         self._scheduled = False
         # (op, code) -> {arrival time: commands}, until the flush (a message's commands share one)
         self._decided: dict[tuple[int, int], dict[float, int]] = {}
+        self._inflight: set[tuple[bytes, int]] = set()  # (client identity, req_id) without outcome
+
+    # In flight ----------------------------------------------------------------------------
+
+    def in_flight(self, identity: bytes, req_id: int) -> bool:
+        return (identity, req_id) in self._inflight
+
+    def any_in_flight(self, identity: bytes, req_ids: Iterable[int]) -> bool:
+        return not self._inflight.isdisjoint([(identity, r) for r in req_ids])
+
+    def track(self, req: Request, session: Session | None) -> None:
+        """``req`` (a command, or a group of ``req.weight``) has no outcome yet: its req_ids
+        are taken until ``finish``, and its client has that many more in flight."""
+        if isinstance(req, SwapGroup):
+            self._inflight.update(req.keys)
+        else:
+            self._inflight.add((req.identity, req.req_id))
+        if session is not None:
+            session.inflight += req.weight
+
+    def finish(self, req: Request, code: int, detail: str, result: dict[str, Any]) -> None:
+        """The end of a tracked command: forgets it and sends its outcome."""
+        session = self.sessions.get(req.identity)
+        if session is not None:
+            session.inflight = max(0, session.inflight - req.weight)
+        if isinstance(req, SwapGroup):
+            self._inflight.difference_update(req.keys)
+            self.send_group(session, req, code, detail, result)
+            return
+        self._inflight.discard((req.identity, req.req_id))
+        self.send_to(session, req, code, detail, result)
+
+    def finish_many(self, decided: list[Decided]) -> None:
+        """``finish`` for the outcomes of a batch of copies, in order."""
+        finish = self.finish
+        for req, code, detail, result in decided:
+            finish(req, code, detail, result)
+
+    # Sending ------------------------------------------------------------------------------
 
     def send(self, req: Request, code: int, detail: str, result: dict[str, Any], *, as_reply: bool = False) -> None:
         """Sends one command's outcome (exactly once per command: the caller's duty)."""

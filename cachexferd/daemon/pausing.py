@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class Pausing:
-    def __init__(self, ordering: BlockOrdering) -> None:
+    def __init__(self, ordering: BlockOrdering[Any]) -> None:
         self.ordering = ordering
         self.paused = False
 

@@ -10,7 +10,7 @@ commands.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..protocol import Command, ProtocolError
 
@@ -40,3 +40,7 @@ class Request:
 
     def __repr__(self) -> str:
         return f"Request(op={self.op}, req_id={self.req_id})"
+
+
+# A command's decided outcome, on its way out: (request, code, detail, result).
+Decided = tuple[Request, int, str, dict[str, Any]]

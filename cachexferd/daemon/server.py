@@ -42,6 +42,7 @@ from .device import DeviceSlot
 from .dispatch import Dispatcher
 from .groups import SwapGroups
 from .handlers import Handlers
+from .health import Health
 from .host import HostCache
 from .jobs import Jobs
 from .notify import sd_notify
@@ -125,7 +126,7 @@ class Daemon:
             self.storage = open_storage(config, self.host.pool, self.metrics)
         except ValueError as exc:
             raise DaemonError(str(exc)) from None
-        self.ordering = BlockOrdering()
+        self.ordering: BlockOrdering[Request] = BlockOrdering()
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.access = AccessControl(config, self.ctx)
         # With CURVE keys the daemon can also deliver events to CURVE event sockets (protocol 1.2).
@@ -137,18 +138,20 @@ class Daemon:
                                  self.turn)  # fmt: skip
         self.device = DeviceSlot(self.backend, self.host, self.ordering, self.metrics, config.daemon, self.spawn)
         self.pausing = Pausing(self.ordering)
+        daemon_config = config.daemon
+        self.health = Health(daemon_config.loop_stall_s, daemon_config.expect_runner, lambda: self.state.value,
+                             lambda: self.device.state.value)  # fmt: skip
         handlers = Handlers(
             config, self.device, self.host, self.storage, self.sessions, self.metrics, self.status, self.request_stop,
             self.pausing,
         )  # fmt: skip
         handlers.sync[MsgType.ATTACH] = self.access.guard_attach(handlers.handle_attach)
-        self.jobs = Jobs(self.ordering, self.metrics, self._job_done, self.turn)
+        self.jobs = Jobs(self.ordering, self.metrics, self.outcomes, self.turn)
         groups = SwapGroups(self.device, self.host, self.pausing, self._admit)
         self.dispatcher = Dispatcher(
             handlers, self.jobs, self.outcomes, self.sessions, config.daemon.max_inflight, self._admit, self.spawn,
             groups, self.metrics.batches,
         )  # fmt: skip
-        self.jobs.on_complete(self.dispatcher.job_done, self.dispatcher.jobs_done)  # straight there
         self.router: zmq.Socket[Any] | None = None
         self._stop_requested = asyncio.Event()
         self._lock_file: IO[str] | None = None
@@ -166,9 +169,11 @@ class Daemon:
         try:
             self._prepare_runtime_dir()
             # Metrics before the router: a taken port must fail before clients can connect.
+            self.health.start()
             if self.config.metrics.enabled:
-                port = self.metrics.serve(self.config.metrics.host, self.config.metrics_port)
-                log.info("metrics on http://%s:%d/metrics", self.config.metrics.host, port)
+                probes = {"/healthz": self.health.live, "/readyz": self.health.ready}
+                port = self.metrics.serve(self.config.metrics.host, self.config.metrics_port, probes)
+                log.info("metrics on http://%s:%d/metrics (probes /healthz, /readyz)", self.config.metrics.host, port)
             self.router = self._bind_router()
             self.access.log_warnings()
             if self.storage is not None:
@@ -230,6 +235,7 @@ class Daemon:
         self.sessions.close()
         await self._close_sockets()
         self.metrics.stop()
+        self.health.stop()
         self.backend.close()
         if self.storage is not None:
             self.storage.close()
@@ -286,6 +292,7 @@ class Daemon:
         """A failed start leaves nothing behind: no metrics server, socket file, lock file, or
         runtime directory it created. Only files of this process: the lock is ours if held."""
         self.metrics.stop()
+        self.health.stop()
         if self.router is not None:
             self.router.close(0)
             self.router = None
@@ -387,9 +394,6 @@ class Daemon:
             raise ProtocolError(ErrorCode.STALE_BOOT, f"addressed to boot {cmd.boot_id}, this daemon is {self.boot_id}")
         if self.state is not DaemonState.RUNNING:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, f"daemon is {self.state.value}")
-
-    def _job_done(self, req: Request, code: int, detail: str, result: dict[str, Any]) -> None:
-        self.dispatcher.job_done(req, code, detail, result)
 
     def _reply(self, identity: bytes, frames: list[bytes]) -> None:
         router = self.router

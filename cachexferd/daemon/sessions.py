@@ -105,12 +105,18 @@ class EventSinks:
                 "event socket",
             )
         try:
-            tcp = parse_endpoint(endpoint).scheme == "tcp"
+            parsed = parse_endpoint(endpoint)
         except AccessError:
-            tcp = False
-        if not tcp:
+            parsed = None
+        if parsed is None or parsed.scheme != "tcp":
             raise ProtocolError(
                 ErrorCode.BAD_FIELD, f"events_key needs a tcp://HOST:PORT events endpoint, not {endpoint!r}"
+            )
+        if parsed.wildcard or not parsed.port:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"events endpoint {endpoint!r} names no address the daemon can connect to (a wildcard address or "
+                "port 0): name the address of the event socket's host as the daemon reaches it, and the port it bound",
             )
         if len(key) != _Z85_KEY_LEN or not _decodes_as_z85(key):
             raise ProtocolError(ErrorCode.BAD_FIELD, "events_key must be a CURVE public key in Z85 (40 characters)")

@@ -141,12 +141,13 @@ class StorageTier:
         when the result is built."""
         codec = ObjectCodec(fingerprint, block_bytes, self.checksum)
         names = [self.name_of(k, version) for k in keys]
+        parent_name = None if parent is None else self.name_of(parent, version)
         try:
-            room = await self._begin_store(names, codec, cancel)
-            reasons = await self._put_chain(names[:room], host_ids, codec, version, parent, cancel)
+            room = await self._begin_store(names, codec, parent_name, cancel)
+            reasons = await self._put_chain(names[:room], host_ids, codec, parent_name, cancel)
         finally:
             if self.backend.reserves_room and names:  # quick (memory only), but it takes the index lock
-                self.io.submit(functools.partial(self.backend.end_store, names))
+                self.io.submit(functools.partial(self.backend.end_store, names, parent_name))
         reasons += [NO_ROOM] * (len(names) - room)
         stored = next((i for i, r in enumerate(reasons) if r is not None), len(reasons))
         failed = [r for r in reasons if r is not None]
@@ -162,19 +163,18 @@ class StorageTier:
         self.metrics.transfer_bytes.labels("store").inc(written * block_bytes)
         return {"stored": stored, "failed": len(failed), "bytes": written * block_bytes}
 
-    async def _begin_store(self, names: list[str], codec: ObjectCodec, cancel: CancelToken) -> int:
+    async def _begin_store(self, names: list[str], codec: ObjectCodec, parent: str | None, cancel: CancelToken) -> int:
         """How many leading objects the store has room for (all, unless it ``reserves_room``)."""
         if not self.backend.reserves_room or not names:
             return len(names)
-        calls = [lambda stop: self.backend.begin_store(names, codec.object_bytes)]
+        calls = [lambda stop: self.backend.begin_store(names, codec.object_bytes, parent)]
         (room,) = await self._run("store", calls, cancel, False)
         return int(room)
 
     async def _put_chain(
-        self, names: list[str], host_ids: Sequence[int], codec: ObjectCodec, version: int, parent: str | None,
-        cancel: CancelToken,
-    ) -> list[str | None]:  # fmt: skip
-        links = [None if parent is None else self.name_of(parent, version), *names[:-1]]
+        self, names: list[str], host_ids: Sequence[int], codec: ObjectCodec, parent: str | None, cancel: CancelToken
+    ) -> list[str | None]:
+        links = [parent, *names[:-1]]
         used = stamps(len(names))
 
         def call(part: slice) -> Call[list[str | None]]:  # the items are built on the I/O thread
@@ -356,15 +356,15 @@ def open_storage(config: Config, pool: HostPool, metrics: DaemonMetrics) -> Stor
     """The daemon's storage tier, or None for ``storage.backend = "none"``. Connecting is
     left to ``StorageTier.start``. A missing client library or a malformed address is a
     configuration error (ValueError): the operator chose a backend this install cannot run."""
-    from ..storage import load_storage
+    from ..storage import STORAGE_BACKENDS, load_storage
 
     try:
         backend = load_storage(config, pool)
     except ImportError as exc:
-        extra = {"redis": "redis", "mooncake": "mooncake"}.get(config.storage.backend, "")
+        spec = STORAGE_BACKENDS.get(config.storage.backend)
         raise ValueError(
             f"storage.backend = {config.storage.backend!r} needs a library that is not installed ({exc}); "
-            f"pip install 'cachexferd[{extra}]'"
+            f"pip install 'cachexferd[{spec.extra if spec else ''}]'"
         ) from None
     if backend is None:
         return None

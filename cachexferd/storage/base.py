@@ -36,7 +36,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-NO_ROOM = "no room: the store is full of objects of stores still running (storage.capacity or the file system)"
+NO_ROOM = (
+    "no room: the store (storage.capacity or its file system) is full of objects that may not make room for this "
+    "one: objects of stores still running, the chain this store extends, or, for an object whose chain is cut "
+    "off, objects that still load from their chain's head"
+)
 _STAMP_STEP_NS = 1000  # between neighbours of one command (1 µs: file systems keep µs at least)
 
 
@@ -127,13 +131,14 @@ class StorageBackend(ABC):
     def start(self) -> None:  # noqa: B027 - optional hook
         """Begins connecting (in the background for remote stores); never blocks for long."""
 
-    def begin_store(self, names: list[str], object_bytes: int) -> int:
+    def begin_store(self, names: list[str], object_bytes: int, parent: str | None = None) -> int:
         """Before a STORE's puts (``reserves_room`` backends): makes room, never by evicting
-        objects of stores still running, keeps ``names`` from eviction until ``end_store``, and
-        returns how many leading objects fit (the daemon writes only those)."""
+        objects of stores still running or ``parent`` (the object the chain of ``names``
+        extends), keeps them from eviction until ``end_store``, and returns how many leading
+        objects fit (the daemon writes only those)."""
         return len(names)
 
-    def end_store(self, names: list[str]) -> None:  # noqa: B027 - optional hook
+    def end_store(self, names: list[str], parent: str | None = None) -> None:  # noqa: B027 - optional hook
         """After the STORE's puts have returned (or were abandoned)."""
 
     @abstractmethod

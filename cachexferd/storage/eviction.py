@@ -1,22 +1,31 @@
-"""What the file backend evicts, and when: chain tails before heads, least recently used
-first, never an object of a store still running.
+"""What the file backend evicts, and when: objects cut off from their chain's head first,
+then chain tails, least recently used first; never an object of a store still running, nor
+the object a running store extends.
 
 KV objects form chains: the object of block i is only useful after the objects of blocks
 0..i-1 (a LOAD delivers a prefix). Evicting a chain's head makes its whole tail useless, so,
 like the engine's prefix index, the index evicts **leaves** only: an object that another
-object names as its parent is not evicted until that child is. Among leaves the least
-recently used goes first. The daemon learns the links from the commands: the keys of one
-STORE or LOAD are one chain, in order, and a STORE that extends an earlier chain names that
-chain's last key as ``parent``.
+object names as its parent is not evicted until that child is. The daemon learns the links
+from the commands: the keys of one STORE or LOAD are one chain, in order, and a STORE that
+extends an earlier chain names that chain's last key as ``parent``.
+
+An object whose parent is gone (evicted, deleted, removed by hand, or never stored) is
+**cut off**, and so is everything after it: a LOAD from the chain's head stops before it.
+Cut-off leaves are evicted before any object that still loads from its head. A STORE that
+names its ``parent`` pins it: room for the new objects is never made by evicting the end of
+the chain they extend, which would cut them off. A STORE whose new objects are cut off from
+the start (its parent is missing) may only evict other cut-off objects: it never shortens a
+loadable chain for objects a LOAD from the head cannot reach. So, under pressure, a chain
+shrinks from its end, and a chain that grows past the room left stops growing.
 
 Links live in memory. The order survives a restart through the objects' mtimes: each use
 stamps a command's objects head first, a microsecond apart (base.stamps), so after a rescan
 that knows no links, least recently used is still tails first within each command.
 
-``reserve`` runs before a STORE writes: it pins the STORE's objects (nothing evicts them
-until ``release``), evicts other leaves to make room under ``storage.capacity`` and on the
-file system, and says how many leading objects fit. So a STORE never evicts what it has just
-written, and what it reports stored is there when it reports it.
+``reserve`` runs before a STORE writes: it pins the STORE's objects and its parent (nothing
+evicts them until ``release``), evicts other leaves to make room under ``storage.capacity``
+and on the file system, and says how many leading objects fit. So a STORE never evicts what
+it has just written, and what it reports stored is there when it reports it.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from dataclasses import dataclass
 
 LOW_WATER = 0.9  # eviction for the capacity frees down to this fraction of it
 _MAX_WALK = 1 << 20  # links followed when checking that a new link makes no cycle
+_CUT, _WHOLE = 0, 1  # eviction rank: cut-off objects go before those that load from their head
 
 
 @dataclass(slots=True)
@@ -37,6 +47,11 @@ class _Entry:
     size: int
     used: int  # last use, ns since the epoch (as the file's mtime)
     parent: str | None = None
+    cut: bool = False  # an object on the way to its chain's head is gone
+
+    @property
+    def rank(self) -> int:
+        return _CUT if self.cut else _WHOLE
 
 
 class EvictionIndex:
@@ -48,12 +63,12 @@ class EvictionIndex:
         self.evicted = 0
         self.scanned = False  # the first scan has finished: eviction knows the whole directory
         self._entries: dict[str, _Entry] = {}
-        self._children: Counter[str] = Counter()  # path -> objects naming it as parent (present or not)
-        self._pins: Counter[str] = Counter()  # path -> running stores that will write it
-        self._reserved: dict[str, tuple[int, int]] = {}  # path -> (bytes, disk bytes) not yet written
+        self._children: dict[str, set[str]] = {}  # path -> present objects naming it as parent (it may be gone)
+        self._pins: Counter[str] = Counter()  # path -> running stores that will write it or extend it
+        self._reserved: dict[str, tuple[int, int, bool]] = {}  # path -> (bytes, disk bytes, cut) not yet written
         self._reserved_bytes = 0
         self._reserved_disk = 0
-        self._heap: list[tuple[int, str]] = []  # (used, path): candidates, checked when popped
+        self._heap: list[tuple[int, int, str]] = []  # (rank, used, path): candidates, checked when popped
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -68,27 +83,56 @@ class EvictionIndex:
         with self._lock:
             entry = self._entries.get(path)
             if entry is None:
-                entry = self._entries[path] = _Entry(size, stamp)
-                self.total += size
+                entry = self._add(path, size, stamp)
             else:
                 self.total += size - entry.size
                 entry.size, entry.used = size, max(entry.used, stamp)
-            bytes_, disk = self._reserved.pop(path, (0, 0))
+            bytes_, disk, _ = self._reserved.pop(path, (0, 0, False))
             self._reserved_bytes -= bytes_
             self._reserved_disk -= disk
             if parent is not None:
                 self._link(path, entry, parent)
-            heapq.heappush(self._heap, (entry.used, path))
+            heapq.heappush(self._heap, (entry.rank, entry.used, path))
+
+    def _add(self, path: str, size: int, stamp: int) -> _Entry:
+        """A new object: a chain's head until a link says otherwise. Objects that named it as
+        their parent while it was gone load from the head again if it does."""
+        entry = self._entries[path] = _Entry(size, stamp)
+        self.total += size
+        for child in self._children.get(path, ()):
+            self._set_cut(child, False)
+        return entry
 
     def _link(self, path: str, entry: _Entry, parent: str) -> None:
-        if parent == entry.parent or parent == path:
-            return
-        if self._children[path] and self._descends(parent, path):
-            return  # a link that would close a cycle (odd keys): keep the old one
-        if entry.parent is not None:
-            self._unchild(entry.parent)
-        entry.parent = parent
-        self._children[parent] += 1
+        if parent != entry.parent and parent != path:
+            if self._children.get(path) and self._descends(parent, path):
+                return  # a link that would close a cycle (odd keys): keep the old one
+            if entry.parent is not None:
+                self._unchild(entry.parent, path)
+            entry.parent = parent
+            self._children.setdefault(parent, set()).add(path)
+        self._set_cut(path, self._cut_below(parent))
+
+    def _cut_below(self, parent: str) -> bool:
+        """Whether an object after ``parent`` is cut off from its chain's head: the parent is
+        neither indexed nor about to be written by a running store, or is cut off itself."""
+        entry = self._entries.get(parent)
+        if entry is not None:
+            return entry.cut
+        reserved = self._reserved.get(parent)
+        return True if reserved is None else reserved[2]
+
+    def _set_cut(self, path: str, cut: bool) -> None:
+        """Marks ``path`` and every object after it cut off (or not), as far as that changes."""
+        todo = [path]
+        while todo:
+            current = todo.pop()
+            entry = self._entries.get(current)
+            if entry is None or entry.cut is cut:
+                continue
+            entry.cut = cut
+            heapq.heappush(self._heap, (entry.rank, entry.used, current))
+            todo.extend(self._children.get(current, ()))
 
     def _descends(self, path: str, ancestor: str) -> bool:
         """Whether ``ancestor`` is on ``path``'s chain towards its head (or the walk is too long)."""
@@ -101,13 +145,24 @@ class EvictionIndex:
             path = entry.parent
         return True
 
-    def _unchild(self, parent: str) -> None:
-        self._children[parent] -= 1
-        if self._children[parent] <= 0:
+    def _unchild(self, parent: str, child: str) -> None:
+        children = self._children.get(parent)
+        if children is None:
+            return
+        children.discard(child)
+        if not children:
             del self._children[parent]
             entry = self._entries.get(parent)
             if entry is not None:  # a leaf again: a candidate
-                heapq.heappush(self._heap, (entry.used, parent))
+                heapq.heappush(self._heap, (entry.rank, entry.used, parent))
+
+    def known(self, path: str, size: int, mtime: int) -> None:
+        """``path`` is on disk (written by another daemon since the last scan): indexed as a
+        chain's head, last used at ``mtime``, unless already indexed."""
+        with self._lock:
+            if path not in self._entries:
+                self._add(path, size, mtime)
+                heapq.heappush(self._heap, (_WHOLE, mtime, path))
 
     def discard(self, path: str) -> None:
         """``path`` is gone (deleted, or missing at a scan)."""
@@ -119,29 +174,40 @@ class EvictionIndex:
         if entry is not None:
             self.total -= entry.size
             if entry.parent is not None:
-                self._unchild(entry.parent)
+                self._unchild(entry.parent, path)
+            for child in self._children.get(path, ()):  # what followed it no longer loads from the head
+                self._set_cut(child, True)
         return entry
+
+    def whole(self, path: str) -> bool:
+        """Whether an object after ``path`` would load from its chain's head."""
+        with self._lock:
+            return not self._cut_below(path)
 
     # Eviction ---------------------------------------------------------------------------------
 
-    def victims(self, need: int = 0) -> list[str]:
+    def victims(self, need: int = 0, cut_only: bool = False) -> list[str]:
         """Removes and returns the paths to evict: down to the low-water mark when over the
-        capacity, and at least ``need`` bytes (a full disk)."""
+        capacity, and at least ``need`` bytes (a full disk); ``cut_only``: cut-off objects only."""
         with self._lock:
             over = 0
             if self.capacity and self.total > self.capacity and self.scanned:
                 over = self.total - int(self.capacity * LOW_WATER)
-            return self._evict(max(over, need), 0, 1)[0]
+            return self._evict(max(over, need), 0, 1, cut_only)[0]
 
-    def _evict(self, need: int, need_disk: int, block: int) -> tuple[list[str], int, int]:
-        """Leaves, least recently used first, until ``need`` bytes and ``need_disk`` bytes of
-        ``block``-sized file-system blocks are freed. Returns (paths, bytes, disk bytes)."""
+    def _evict(self, need: int, need_disk: int, block: int, cut_only: bool = False) -> tuple[list[str], int, int]:
+        """Leaves, cut-off ones first, least recently used first, until ``need`` bytes and
+        ``need_disk`` bytes of ``block``-sized file-system blocks are freed. Returns (paths,
+        bytes, disk bytes)."""
         out: list[str] = []
         freed = freed_disk = 0
-        while (freed < need or freed_disk < need_disk) and self._heap:
-            used, path = heapq.heappop(self._heap)
+        heap = self._heap
+        while (freed < need or freed_disk < need_disk) and heap:
+            if cut_only and heap[0][0] != _CUT:
+                break
+            rank, used, path = heapq.heappop(heap)
             entry = self._entries.get(path)
-            if entry is None or entry.used != used or self._children[path] or self._pins[path]:
+            if entry is None or entry.used != used or entry.rank != rank or path in self._children or self._pins[path]:
                 continue  # stale, or not a candidate now (pushed again when it becomes one)
             self._remove(path)
             freed += entry.size
@@ -153,39 +219,40 @@ class EvictionIndex:
 
     def _compact(self) -> None:
         if len(self._heap) > 2 * len(self._entries) + 4096:
-            self._heap = [(e.used, p) for p, e in self._entries.items()]
+            self._heap = [(e.rank, e.used, p) for p, e in self._entries.items()]
             heapq.heapify(self._heap)
 
     # Stores -----------------------------------------------------------------------------------
 
     def reserve(
-        self, paths: Sequence[str], size: int, disk_free: int | None = None, block: int = 1
+        self, paths: Sequence[str], size: int, disk_free: int | None = None, block: int = 1, parent: str | None = None
     ) -> tuple[int, list[str]]:
-        """Before a store writes ``paths`` (``size`` bytes each): pins them, picks what to evict
-        (other leaves) so that they fit under the capacity and in ``disk_free`` bytes of the
-        file system (None: unknown), and reserves room for the leading ones that fit.
-        Returns (how many leading paths fit, the paths to evict)."""
+        """Before a store writes ``paths`` (``size`` bytes each) after ``parent`` (the chain's
+        object before them, if any): pins them and the parent, picks what to evict so that they
+        fit under the capacity and in ``disk_free`` bytes of the file system (None: unknown),
+        and reserves room for the leading ones that fit. Returns (how many leading paths fit,
+        the paths to evict). Objects cut off from the start only make room among cut-off ones."""
         with self._lock:
-            for path in paths:
+            for path in paths if parent is None else (*paths, parent):
                 self._pins[path] += 1
+            cut = parent is not None and self._cut_below(parent)
             adds = [0 if p in self._entries or p in self._reserved else size for p in paths]
             cap_left = self._capacity_left()
             disk_left = None if disk_free is None else disk_free - self._reserved_disk
             need = sum(adds)
-            need_disk = sum(_on_disk(a, block) for a in adds)
             short = need - cap_left if cap_left is not None else 0
-            short_disk = need_disk - disk_left if disk_left is not None else 0
+            short_disk = sum(_on_disk(a, block) for a in adds) - disk_left if disk_left is not None else 0
             evicted: list[str] = []
             if short > 0 or short_disk > 0:
                 if short > 0:  # evicting anyway: free down to the low-water mark
                     short = max(short, self.total + self._reserved_bytes + need - int(self.capacity * LOW_WATER))
-                evicted, freed, freed_disk = self._evict(max(short, 0), max(short_disk, 0), block)
+                evicted, freed, freed_disk = self._evict(max(short, 0), max(short_disk, 0), block, cut)
                 cap_left = None if cap_left is None else cap_left + freed
                 disk_left = None if disk_left is None else disk_left + freed_disk
-            return self._reserve_leading(paths, adds, cap_left, disk_left, block), evicted
+            return self._reserve_leading(paths, adds, cap_left, disk_left, block, cut), evicted
 
     def _reserve_leading(
-        self, paths: Sequence[str], adds: list[int], cap_left: int | None, disk_left: int | None, block: int
+        self, paths: Sequence[str], adds: list[int], cap_left: int | None, disk_left: int | None, block: int, cut: bool
     ) -> int:
         room = 0
         for path, add in zip(paths, adds):
@@ -193,7 +260,7 @@ class EvictionIndex:
             if (cap_left is not None and add > cap_left) or (disk_left is not None and disk > disk_left):
                 break
             if add:
-                self._reserved[path] = (add, disk)
+                self._reserved[path] = (add, disk, cut)
                 self._reserved_bytes += add
                 self._reserved_disk += disk
                 cap_left = None if cap_left is None else cap_left - add
@@ -206,19 +273,21 @@ class EvictionIndex:
             return None
         return self.capacity - self.total - self._reserved_bytes
 
-    def release(self, paths: Sequence[str]) -> None:
-        """The store of ``paths`` has ended: unpins them and drops what it reserved but did not write."""
+    def release(self, paths: Sequence[str], parent: str | None = None) -> None:
+        """The store of ``paths`` (after ``parent``) has ended: unpins them and drops what it
+        reserved but did not write."""
         with self._lock:
-            for path in paths:
+            for path in paths if parent is None else (*paths, parent):
                 self._pins[path] -= 1
-                if self._pins[path] <= 0:
-                    del self._pins[path]
-                    bytes_, disk = self._reserved.pop(path, (0, 0))
-                    self._reserved_bytes -= bytes_
-                    self._reserved_disk -= disk
-                    entry = self._entries.get(path)
-                    if entry is not None:
-                        heapq.heappush(self._heap, (entry.used, path))
+                if self._pins[path] > 0:
+                    continue
+                del self._pins[path]
+                bytes_, disk, _ = self._reserved.pop(path, (0, 0, False))
+                self._reserved_bytes -= bytes_
+                self._reserved_disk -= disk
+                entry = self._entries.get(path)
+                if entry is not None:
+                    heapq.heappush(self._heap, (entry.rank, entry.used, path))
 
     def pinned(self, path: str) -> bool:
         with self._lock:
@@ -236,14 +305,14 @@ class EvictionIndex:
                 present.add(path)
                 entry = self._entries.get(path)
                 if entry is None:
-                    self._entries[path] = _Entry(size, mtime)
+                    self._add(path, size, mtime)
                 else:
                     entry.size, entry.used = size, max(entry.used, mtime)
             for path in [p for p, e in self._entries.items() if p not in present and e.used < started]:
                 if not self._pins[path]:
                     self._remove(path)
             self.total = sum(e.size for e in self._entries.values())
-            self._heap = [(e.used, p) for p, e in self._entries.items()]
+            self._heap = [(e.rank, e.used, p) for p, e in self._entries.items()]
             heapq.heapify(self._heap)
             self.scanned = True
 

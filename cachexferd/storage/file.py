@@ -139,9 +139,11 @@ class FileBackend(StorageBackend):
         if paths:
             log.debug("evicted %d objects from %s", len(paths), self.root)
 
-    def _make_room(self, need: int) -> bool:
-        """After a full disk: evicts at least ``need`` bytes; False when there was nothing to evict."""
-        victims = self.index.victims(need)
+    def _make_room(self, need: int, parent: str | None) -> bool:
+        """After a full disk: evicts at least ``need`` bytes for an object after ``parent``
+        (cut-off objects only, when it is cut off itself); False when there was nothing to evict."""
+        cut = parent is not None and not self.index.whole(object_path(self._root, parent))
+        victims = self.index.victims(need, cut_only=cut)
         self._evict(victims)
         return bool(victims)
 
@@ -156,18 +158,33 @@ class FileBackend(StorageBackend):
 
     # Writing ------------------------------------------------------------------------------
 
-    def begin_store(self, names: list[str], object_bytes: int) -> int:
-        """Pins the store's objects, evicts other chain tails to make room for them (capacity
-        and free space), and returns how many leading objects fit."""
+    def begin_store(self, names: list[str], object_bytes: int, parent: str | None = None) -> int:
+        """Pins the store's objects and the one they extend, evicts other chain tails to make
+        room for them (capacity and free space), and returns how many leading objects fit."""
         self._ensure_root()
         paths = [object_path(self._root, name) for name in names]
+        parent_path = self._indexed_parent(parent)
         free, block = self._disk_space()
-        room, victims = self.index.reserve(paths, object_bytes, free, block)
+        room, victims = self.index.reserve(paths, object_bytes, free, block, parent_path)
         self._evict(victims)
         return room
 
-    def end_store(self, names: list[str]) -> None:
-        self.index.release([object_path(self._root, name) for name in names])
+    def end_store(self, names: list[str], parent: str | None = None) -> None:
+        parent_path = None if parent is None else object_path(self._root, parent)
+        self.index.release([object_path(self._root, name) for name in names], parent_path)
+
+    def _indexed_parent(self, parent: str | None) -> str | None:
+        """The parent's path, indexed when it is on disk but not yet known to the index
+        (another daemon wrote it since the last scan): a store must know what it extends."""
+        if parent is None:
+            return None
+        path = object_path(self._root, parent)
+        if self.index.whole(path):
+            return path
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            self.index.known(path, st.st_size, st.st_mtime_ns)
+        return path
 
     def _disk_space(self) -> tuple[int | None, int]:
         """(bytes free for this user, block size) of the file system; None when it cannot say."""
@@ -186,12 +203,13 @@ class FileBackend(StorageBackend):
             return []
         paths = [object_path(self._root, item.name) for item in items]
         own = not self.index.pinned(paths[0])
-        room = self.begin_store([i.name for i in items], HEADER_BYTES + len(items[0].payload)) if own else len(items)
+        names, parent = [i.name for i in items], items[0].parent
+        room = self.begin_store(names, HEADER_BYTES + len(items[0].payload), parent) if own else len(items)
         try:
             return self._put_all(items, paths, room, stop)
         finally:
             if own:
-                self.index.release(paths)
+                self.end_store(names, parent)
 
     def _put_all(self, items: list[PutItem], paths: list[str], room: int, stop: threading.Event) -> list[str | None]:
         reasons: list[str | None] = []
@@ -214,7 +232,7 @@ class FileBackend(StorageBackend):
         except OSError as exc:
             if exc.errno not in _NO_SPACE:
                 return self._put_failed(exc), False
-            if not self._make_room(8 * size):
+            if not self._make_room(8 * size, item.parent):
                 return self._put_failed(exc), True
             try:  # the disk filled before the capacity did: room was made, once more
                 self._write(item, final)
@@ -434,4 +452,5 @@ def _unlink_quietly(path: str) -> None:
 
 
 def create(config: Config, pool: object = None) -> FileBackend:
-    return FileBackend(config.storage_path, config.storage.fsync, config.storage.capacity)
+    settings = config.storage.file
+    return FileBackend(config.storage_path, settings.fsync, settings.capacity)

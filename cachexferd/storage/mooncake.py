@@ -112,16 +112,16 @@ class MooncakeBackend(StorageBackend):
     drops_writes = True  # its eviction may take objects a STORE has just put
 
     def __init__(self, config: Config, pool: HostPool) -> None:
-        s = config.storage
-        self.master = s.master or "127.0.0.1:50051"
+        s, own = config.storage, config.storage.mooncake
+        self.master = own.master or "127.0.0.1:50051"
         self.master_host, self.master_port = split_address(self.master)
         self.setup_args = {
-            "local_hostname": s.local_hostname,
-            "metadata_server": s.metadata_server,
-            "global_segment_size": s.segment_size,
+            "local_hostname": own.local_hostname,
+            "metadata_server": own.metadata_server,
+            "global_segment_size": own.segment_size,
             "local_buffer_size": _LOCAL_BUFFER,
-            "protocol": s.protocol,
-            "rdma_devices": s.device_name,
+            "protocol": own.protocol,
+            "rdma_devices": own.device_name,
             "master_server_addr": self.master,
         }
         self.pool = pool
@@ -139,8 +139,8 @@ class MooncakeBackend(StorageBackend):
         # and retry on our own schedule, so a couple of tries is enough. Operators may override.
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
         quiet_logs(config.daemon.log_level)
-        if s.protocol == "tcp":
-            os.environ.setdefault("MC_TCP_BIND_ADDRESS", s.local_hostname)
+        if own.protocol == "tcp":
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", own.local_hostname)
 
     # Connecting ---------------------------------------------------------------------------
 

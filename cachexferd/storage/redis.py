@@ -204,5 +204,5 @@ def _redacted(url: str) -> str:
 
 
 def create(config: Config, pool: object = None) -> RedisBackend:
-    url = config.storage.url or "redis://127.0.0.1:6379/0"
+    url = config.storage.redis.url or "redis://127.0.0.1:6379/0"
     return RedisBackend(url, config.storage.timeout_s, max_connections=config.storage.io_threads + 4)

@@ -270,6 +270,39 @@ def test_swap_sources_may_repeat_and_empty_lists_succeed(attached: Attached) -> 
     assert empty.ok and empty.result["blocks"] == 0 and empty.result["bytes"] == 0
 
 
+# Chunks of 16 KiB: 64 KiB host blocks, a layout whose blocks a backend copies differently
+# from the 1 KiB blocks of LAYOUT.
+WIDE_LAYOUT = {**LAYOUT, "num_blocks": 16, "block_size": 64, "num_kv_heads": 2, "head_dim": 64}
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, WIDE_LAYOUT], ids=["narrow", "wide"])
+def test_empty_swaps_succeed_alone_and_in_a_batch(
+    fresh_daemon: DaemonProc, connect: ClientFactory, shm: CacheFactory, layout: dict[str, Any]
+) -> None:
+    """§7.7: empty lists succeed and move nothing, in both directions, sent alone, in a BATCH
+    beside a swap that moves blocks, and in a BATCH of empty swaps only."""
+    client = connect(fresh_daemon, batch_events=True)
+    cache = shm(layout=layout, seed=4)
+    assert client.call(T.ATTACH, **cache.attach_fields()).ok
+    before = {b: cache.block(b) for b in range(layout["num_blocks"])}
+    for op in (T.SWAP_OUT, T.SWAP_IN):
+        alone = client.call(op, device_ids=[], host_ids=[])
+        assert alone.ok and alone.result["blocks"] == 0 and alone.result["bytes"] == 0, alone
+    empties = [client.next_id() for _ in range(4)]
+    moving = client.next_id()
+    items = [[T.SWAP_OUT, {"req_id": r, "device_ids": [], "host_ids": []}] for r in empties[:2]]
+    items += [[T.SWAP_OUT, {"req_id": moving, "device_ids": [2], "host_ids": [5]}]]
+    items += [[T.SWAP_IN, {"req_id": r, "device_ids": [], "host_ids": []}] for r in empties[2:]]
+    client.send(T.BATCH, {"items": items})
+    outcomes = {o.req_id: o for o in client.wait_all([*empties, moving])}
+    assert all(outcomes[r].ok and outcomes[r].result["blocks"] == 0 for r in empties), outcomes
+    assert outcomes[moving].ok and outcomes[moving].result["blocks"] == 1, outcomes[moving]
+    only_empty = [client.next_id() for _ in range(3)]
+    client.send(T.BATCH, {"items": [[T.SWAP_IN, {"req_id": r, "device_ids": [], "host_ids": []}] for r in only_empty]})
+    assert all(o.ok and o.result["bytes"] == 0 for o in client.wait_all(only_empty))
+    assert all(cache.block(b) == before[b] for b in before), "an empty swap changed a device block"
+
+
 def test_clear_host(attached: Attached) -> None:
     client, cache = attached.client, attached.cache
     assert client.call(T.SWAP_OUT, device_ids=[1], host_ids=[9]).ok

@@ -176,3 +176,24 @@ def test_events_key_to_a_daemon_without_curve_keys(main: DaemonProc, connect: Cl
     key = zmq.curve_keypair()[0].decode()
     reply = client.call(T.HELLO, protocol=[1, 2], events="tcp://127.0.0.2:5555", events_key=key)
     assert reply.code == E.BAD_FIELD and "CURVE" in reply.body["detail"], reply
+
+
+@pytest.mark.parametrize(
+    "events", ["tcp://0.0.0.0:5555", "tcp://[::]:5555", "tcp://*:5555", "tcp://192.0.2.1:0"],
+    ids=["ipv4-wildcard", "ipv6-wildcard", "star", "port-0"],
+)  # fmt: skip
+def test_event_endpoints_the_daemon_cannot_connect_to_are_refused(
+    curve_daemon: tuple[DaemonProc, Keys], events: str
+) -> None:
+    """§1, §1.1: the daemon connects to the events endpoint, so it must name the event socket's
+    host and bound port; a wildcard address or port 0 is BAD_FIELD, with a key too, and the
+    hello changes nothing (a later CURVE hello still works)."""
+    daemon, keys = curve_daemon
+    client = started(daemon, keys)
+    try:
+        reply = client.call(T.HELLO, req_id=5, protocol=[1, 2], events=events, events_key=client.events_key)
+        assert reply.code == E.BAD_FIELD and "connect to" in reply.body["detail"], reply
+        hello = client.call(T.HELLO, req_id=6, protocol=[1, 2], events=client.events, events_key=client.events_key)
+        assert hello.ok, hello
+    finally:
+        client.close()

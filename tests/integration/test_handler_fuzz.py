@@ -50,7 +50,7 @@ class Rig:
 def rig() -> Iterator[Rig]:
     with tempfile.TemporaryDirectory(prefix="cx-") as tmp:
         root = Path(tmp)
-        daemon = InProcessDaemon(config_for(root / "rt", **{"storage.path": str(root / "pool")})).start()
+        daemon = InProcessDaemon(config_for(root / "rt", **{"storage.file.path": str(root / "pool")})).start()
         ctx: zmq.Context[Any] = zmq.Context()
         dealer, pull = ctx.socket(zmq.DEALER), ctx.socket(zmq.PULL)
         for sock in (dealer, pull):

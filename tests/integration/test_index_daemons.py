@@ -91,7 +91,7 @@ class Scheduler:
 
 @pytest.fixture
 def daemons(spawn_daemon: Spawn, short_tmp: Path) -> Iterator[tuple[list[DaemonProcess], list[ShmKVCache]]]:
-    settings = {"storage.backend": "file", "storage.path": str(short_tmp / "pool")}
+    settings = {"storage.backend": "file", "storage.file.path": str(short_tmp / "pool")}
     procs = [spawn_daemon(rank=r, settings=settings) for r in (0, 1)]
     caches = [ShmKVCache(SMALL) for _ in procs]
     runners = [RunnerClient(d.endpoint) for d in procs]

@@ -27,7 +27,7 @@ def store_dir(short_tmp: Path) -> Path:
 
 @pytest.fixture
 def node(short_tmp: Path, store_dir: Path) -> Iterator[Node]:
-    n = Node.in_process(short_tmp / "a", seed=1, storage__path=str(store_dir))
+    n = Node.in_process(short_tmp / "a", seed=1, storage__file__path=str(store_dir))
     yield n
     n.close()
 
@@ -37,7 +37,7 @@ def stored(node: Node, keys: list[str], device: list[int], host: list[int]) -> N
 
 
 def test_device_blocks_roundtrip_through_storage(short_tmp: Path, store_dir: Path, node: Node) -> None:
-    other = Node.in_process(short_tmp / "b", seed=2, storage__path=str(store_dir))
+    other = Node.in_process(short_tmp / "b", seed=2, storage__file__path=str(store_dir))
     try:
         src, dst = [3, 4, 5, 10, 11, 40], [30, 31, 2, 7, 8, 9]
         stored(node, KEYS, src, [0, 1, 2, 3, 4, 5])
@@ -115,7 +115,7 @@ def test_corrupt_objects_are_misses_plus_an_error_metric(node: Node, store_dir: 
 def test_objects_of_another_layout_are_mismatches(short_tmp: Path, store_dir: Path, node: Node) -> None:
     # Same bytes per block, other dtype: a different layout fingerprint under the same key.
     other_layout = KVLayout(**{**SMALL.to_wire(), "dtype": "bfloat16"})
-    other = Node.in_process(short_tmp / "b", seed=3, layout=other_layout, storage__path=str(store_dir))
+    other = Node.in_process(short_tmp / "b", seed=3, layout=other_layout, storage__file__path=str(store_dir))
     try:
         stored(other, KEYS[:2], [1, 2], [0, 1])
         assert node.ok("load", KEYS[:2], host_ids=[5, 6])["loaded"] == 0
@@ -185,7 +185,7 @@ def test_store_and_load_of_one_key_keep_submission_order(node: Node) -> None:
 
 
 def test_a_hung_read_times_out_and_the_daemon_keeps_serving(short_tmp: Path, store_dir: Path) -> None:
-    node = Node.in_process(short_tmp / "t", seed=4, storage__path=str(store_dir), storage__timeout_s=0.5)
+    node = Node.in_process(short_tmp / "t", seed=4, storage__file__path=str(store_dir), storage__timeout_s=0.5)
     try:
         stored(node, KEYS[:2], [1, 2], [0, 1])
         fifo = object_path(str(store_dir), f"w0/{KEYS[1]}")
@@ -229,7 +229,7 @@ def _release_fifo(path: str, data: bytes = b"") -> None:
 def test_unusable_directory_is_unavailable_then_recovers(short_tmp: Path) -> None:
     blocker = short_tmp / "blocked"
     blocker.write_text("not a directory")
-    node = Node.in_process(short_tmp / "u", seed=5, storage__path=str(blocker))
+    node = Node.in_process(short_tmp / "u", seed=5, storage__file__path=str(blocker))
     try:
         assert node.error("store", KEYS[:1], host_ids=[0], device_ids=[1])[0] == "STORAGE_UNAVAILABLE"
         node.ok("swap_out", [2], [3])  # copies still work
@@ -241,7 +241,7 @@ def test_unusable_directory_is_unavailable_then_recovers(short_tmp: Path) -> Non
 
 
 def test_detach_cancels_a_load_waiting_on_storage(short_tmp: Path, store_dir: Path) -> None:
-    node = Node.in_process(short_tmp / "d", seed=6, storage__path=str(store_dir), storage__timeout_s=5)
+    node = Node.in_process(short_tmp / "d", seed=6, storage__file__path=str(store_dir), storage__timeout_s=5)
     fifo = object_path(str(store_dir), f"w0/{KEYS[0]}")
     try:
         os.makedirs(os.path.dirname(fifo), exist_ok=True)

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.mooncake
 
 
 def mooncake_node(runtime: Path, cluster: MooncakeCluster, seed: int, **extra: object) -> Node:
-    settings: dict[str, object] = {"storage__timeout_s": 3.0, **extra}
-    return Node.in_process(runtime, seed=seed, storage__backend="mooncake", storage__master=cluster.master, **settings)
+    settings: dict[str, object] = {"storage__timeout_s": 3.0, "storage__mooncake__master": cluster.master, **extra}
+    return Node.in_process(runtime, seed=seed, storage__backend="mooncake", **settings)
 
 
 @pytest.fixture
@@ -160,7 +160,7 @@ def test_master_down_at_start_does_not_stop_the_daemon(short_tmp: Path, keys: li
     from cachexferd.storage_servers import free_port
 
     node = Node.in_process(
-        short_tmp / "d", seed=10, storage__backend="mooncake", storage__master=f"127.0.0.1:{free_port()}",
+        short_tmp / "d", seed=10, storage__backend="mooncake", storage__mooncake__master=f"127.0.0.1:{free_port()}",
         storage__timeout_s=2.0,
     )  # fmt: skip
     try:

@@ -26,7 +26,7 @@ def keys(request: pytest.FixtureRequest) -> list[str]:
 @pytest.fixture
 def node(short_tmp: Path, redis_server: RedisServer) -> Iterator[Node]:  # noqa: F811
     n = Node.in_process(
-        short_tmp / "r", seed=7, storage__backend="redis", storage__url=redis_server.url, storage__timeout_s=1.0
+        short_tmp / "r", seed=7, storage__backend="redis", storage__redis__url=redis_server.url, storage__timeout_s=1.0
     )
     yield n
     n.close()
@@ -97,7 +97,7 @@ def test_a_store_larger_than_maxmemory_reports_only_what_is_still_there(short_tm
     from tests.servers import start_redis
 
     server = start_redis(short_tmp / "small-redis", maxmemory="2mb")
-    node = Node.in_process(short_tmp / "r", seed=8, storage__backend="redis", storage__url=server.url)
+    node = Node.in_process(short_tmp / "r", seed=8, storage__backend="redis", storage__redis__url=server.url)
     try:
         keys = [f"overflow-{i}" for i in range(1500)]  # 1500 x 3 KiB: more than 2 MB
         result = node.ok("store", keys, host_ids=list(range(1500)))

@@ -1,4 +1,4 @@
-"""The file backend as durable, bounded state: LRU eviction past storage.capacity, an order
+"""The file backend as durable, bounded state: LRU eviction past storage.file.capacity, an order
 that survives restarts and is shared by daemons on one directory, a full disk, defaults."""
 
 from __future__ import annotations

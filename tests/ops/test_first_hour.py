@@ -40,7 +40,7 @@ def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
 def test_a_regular_file_as_storage_path_is_refused_as_such(short_tmp: Path) -> None:
     (short_tmp / "kv").write_text("a file, not a directory")
     [line] = error_lines(check_config(short_tmp, "--storage-path", str(short_tmp / "kv")))
-    assert "storage.path (from flag storage.path)" in line and "is a regular file, not a directory" in line
+    assert "storage.file.path (from flag storage.file.path)" in line and "is a regular file, not a directory" in line
     assert "not writable" not in line
 
 

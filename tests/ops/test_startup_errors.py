@@ -98,14 +98,14 @@ def test_runtime_dir_of_a_running_daemon(short_tmp: Path, spawn_daemon: Spawn) -
 
 
 def test_redis_url_that_is_not_redis(short_tmp: Path) -> None:
-    result = serve(short_tmp, "--backend", "cpu", "--storage", "redis", "--set", "storage.url=http://x")
-    refused(result, "storage.url", "'http://x'", "redis://")
+    result = serve(short_tmp, "--backend", "cpu", "--storage", "redis", "--set", "storage.redis.url=http://x")
+    refused(result, "storage.redis.url", "'http://x'", "redis://")
     nothing_left(short_tmp)
 
 
 def test_mooncake_master_without_port(short_tmp: Path) -> None:
-    result = serve(short_tmp, "--backend", "cpu", "--storage", "mooncake", "--set", "storage.master=mc-master")
-    refused(result, "storage.master", "HOST:PORT")
+    result = serve(short_tmp, "--backend", "cpu", "--storage", "mooncake", "--set", "storage.mooncake.master=mc-master")
+    refused(result, "storage.mooncake.master", "HOST:PORT")
 
 
 def test_bad_value_from_the_environment(short_tmp: Path) -> None:

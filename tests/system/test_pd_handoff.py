@@ -23,10 +23,11 @@ from tests.storage_rig import Node, key_space, prompt
 
 def storage_settings(backend: str, request: pytest.FixtureRequest, pool_dir: Path) -> dict[str, Any]:
     if backend == "redis":
-        return {"storage.backend": "redis", "storage.url": request.getfixturevalue("redis_server").url}
+        return {"storage.backend": "redis", "storage.redis.url": request.getfixturevalue("redis_server").url}
     if backend == "mooncake":
-        return {"storage.backend": "mooncake", "storage.master": request.getfixturevalue("mooncake_cluster").master}
-    return {"storage.backend": "file", "storage.path": str(pool_dir)}
+        master = request.getfixturevalue("mooncake_cluster").master
+        return {"storage.backend": "mooncake", "storage.mooncake.master": master}
+    return {"storage.backend": "file", "storage.file.path": str(pool_dir)}
 
 
 @pytest.mark.parametrize("backend", ["file", "redis", "mooncake"])
@@ -60,7 +61,7 @@ def test_prefill_to_decode_handoff(
 def test_tensor_parallel_handoff_uses_per_rank_keys(spawn_daemon: Any, short_tmp: Path) -> None:
     """TP=2 on both sides: one engine client per side fans out to both ranks; each rank stores
     and loads its own objects (rank-scoped keys from one hash chain)."""
-    settings = {"storage.backend": "file", "storage.path": str(short_tmp / "pool")}
+    settings = {"storage.backend": "file", "storage.file.path": str(short_tmp / "pool")}
     sides = []
     for _side in ("prefill", "decode"):
         daemons: list[DaemonProcess] = [spawn_daemon(rank, settings) for rank in (0, 1)]

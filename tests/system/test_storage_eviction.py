@@ -1,6 +1,6 @@
 """The file store under pressure, over real daemons: eviction keeps chains loadable (tails go
 before heads), a STORE never evicts what it has just written and reports only what a LOAD
-can deliver, both under ``storage.capacity`` and on a real file system that fills up (a
+can deliver, both under ``storage.file.capacity`` and on a real file system that fills up (a
 1 MiB tmpfs, mounted when the tests run as root)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ OBJECT = HEADER_BYTES + LAYOUT.host_block_bytes  # 4 KiB + 64 B: two pages on tm
 
 
 def _node(spawn: Spawn, store: Path, **settings: object) -> Node:
-    daemon = spawn(settings={"storage.backend": "file", "storage.path": str(store), **settings})
+    daemon = spawn(settings={"storage.backend": "file", "storage.file.path": str(store), **settings})
     return Node.subprocess(daemon, seed=3, layout=LAYOUT)
 
 
@@ -62,14 +62,19 @@ def _check_store_result(result: dict[str, int], store: Path, keys: list[str]) ->
     return stored
 
 
+def _under(pressure: str, objects: int, short_tmp: Path, request: pytest.FixtureRequest) -> tuple[Path, dict[str, int]]:
+    """(store directory, settings): room for ``objects`` under storage.file.capacity, or a
+    small tmpfs that fills up."""
+    if pressure == "capacity":
+        return short_tmp / "store", {"storage.file.capacity": objects * OBJECT}
+    return request.getfixturevalue("small_fs") / "store", {}
+
+
 @pytest.mark.parametrize("pressure", ["capacity", "full-file-system"])
 def test_a_chain_larger_than_the_store_keeps_the_prefix_that_fits(
     spawn_daemon: Spawn, short_tmp: Path, pressure: str, request: pytest.FixtureRequest
 ) -> None:
-    if pressure == "capacity":
-        store, settings = short_tmp / "store", {"storage.capacity": 100 * OBJECT}
-    else:
-        store, settings = request.getfixturevalue("small_fs") / "store", {}
+    store, settings = _under(pressure, 100, short_tmp, request)
     node = _node(spawn_daemon, store, **settings)
     try:
         keys = _keys("chain", 200)
@@ -86,10 +91,8 @@ def test_a_chain_larger_than_the_store_keeps_the_prefix_that_fits(
 def test_eviction_takes_chain_tails_before_heads(
     spawn_daemon: Spawn, short_tmp: Path, pressure: str, request: pytest.FixtureRequest
 ) -> None:
-    if pressure == "capacity":
-        store, settings, chain = short_tmp / "store", {"storage.capacity": 100 * OBJECT}, 60
-    else:
-        store, settings, chain = request.getfixturevalue("small_fs") / "store", {}, 80
+    store, settings = _under(pressure, 100, short_tmp, request)
+    chain = 60 if pressure == "capacity" else 80
     node = _node(spawn_daemon, store, **settings)
     try:
         first, second = _keys("a", chain), _keys("b", chain)
@@ -108,7 +111,7 @@ def test_a_store_that_names_its_parent_extends_the_chain(spawn_daemon: Spawn, sh
     """A chain stored in two STOREs, the second naming the first's last key: the first part
     is kept while the second is, so eviction shortens the chain from its end."""
     store = short_tmp / "store"
-    node = _node(spawn_daemon, store, **{"storage.capacity": 100 * OBJECT})
+    node = _node(spawn_daemon, store, **{"storage.file.capacity": 100 * OBJECT})
     try:
         chain = _keys("a", 80)
         _store(node, chain[:40], 0)
@@ -117,6 +120,35 @@ def test_a_store_that_names_its_parent_extends_the_chain(spawn_daemon: Spawn, sh
         present = _on_disk(store, chain)
         assert present == sorted(present, reverse=True) and sum(present) == 30, present
         assert _load_back(node, chain, 0) == 30
+    finally:
+        node.close()
+
+
+@pytest.mark.parametrize("pressure", ["capacity", "full-file-system"])
+def test_a_chain_stored_piece_by_piece_keeps_its_head_when_the_store_fills(
+    spawn_daemon: Spawn, short_tmp: Path, pressure: str, request: pytest.FixtureRequest
+) -> None:
+    """200 keys stored as 20 STOREs of 10, each naming the key before it as ``parent``, into
+    a store that holds fewer: a STORE never evicts its own chain's tail to make room for its
+    new objects (which would cut them off from the head), so the chain keeps the prefix that
+    fits and a LOAD of the whole chain delivers it (docs/storage.md §4.1)."""
+    store, settings = _under(pressure, 90, short_tmp, request)
+    node = _node(spawn_daemon, store, **settings)
+    try:
+        whole = _keys("whole", 200)  # what the store holds: one STORE of the whole chain
+        holds = _store(node, whole, 0)["stored"]
+        assert node.ok("delete", whole)["deleted"] == holds
+        keys, prefixes = _keys("chain", 200), []
+        for first in range(0, 200, 10):
+            blocks, extra = list(range(first, first + 10)), {"parent": keys[first - 1]} if first else {}
+            result = node.run("store", keys[first : first + 10], host_ids=blocks, device_ids=blocks, **extra)
+            assert result.ok or result.errors[0][0] == "STORAGE_ERROR", result.describe()  # full: nothing written
+            prefixes.append(node.ok("lookup", keys)["prefix"])
+        assert prefixes == sorted(prefixes), f"the loadable prefix shrank: {prefixes}"
+        present = _on_disk(store, keys)
+        assert present == sorted(present, reverse=True), "objects past the loadable prefix were kept"
+        loaded = _load_back(node, keys, 0)
+        assert loaded >= 0.8 * holds, f"loaded {loaded} of the {holds} objects the store holds ({prefixes})"
     finally:
         node.close()
 

@@ -34,7 +34,7 @@ def small_fs(short_tmp: Path) -> Iterator[Path]:
 
 
 def test_read_only_storage_gives_outcomes_not_tracebacks(spawn_daemon: Any, small_fs: Path) -> None:
-    daemon = spawn_daemon(settings={"storage.path": str(small_fs)})
+    daemon = spawn_daemon(settings={"storage.file.path": str(small_fs)})
     node = Node.subprocess(daemon, seed=4)
     try:
         assert node.ok("store", KEYS, host_ids=[0, 1, 2], device_ids=[1, 2, 3])["stored"] == 3

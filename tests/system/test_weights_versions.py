@@ -25,7 +25,7 @@ SWAP = list(range(128))
 
 
 def _storage_daemon(spawn: Spawn, root: Path, **settings: Any) -> DaemonProcess:
-    base = {"host_cache.capacity": "160MiB", "storage.backend": "file", "storage.path": str(root / "store")}
+    base = {"host_cache.capacity": "160MiB", "storage.backend": "file", "storage.file.path": str(root / "store")}
     return spawn(settings={**base, **settings})
 
 

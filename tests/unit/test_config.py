@@ -74,6 +74,53 @@ def test_bad_env_and_file(tmp_path: Path) -> None:
 def test_shipped_configs_load(name: str) -> None:
     config = load_config(REPO / "configs" / name, None, {})
     assert config.host_cache.capacity > 0
+    assert config.warnings == (), "the shipped configs use the current names"
+
+
+def test_each_storage_backend_has_its_own_table_in_every_layer(tmp_path: Path) -> None:
+    toml = tmp_path / "c.toml"
+    toml.write_text('[storage]\nbackend = "redis"\n[storage.redis]\nurl = "redis://h:1/0"\n'
+                    '[storage.file]\ncapacity = "1GiB"\n')  # fmt: skip
+    env = {"CACHEXFERD_STORAGE_MOONCAKE_PROTOCOL": "rdma", "CACHEXFERD_STORAGE_TIMEOUT_S": "2"}
+    config = load_config(toml, {"storage.file.path": "/srv/kv"}, env)
+    s = config.storage
+    assert (s.backend, s.redis.url, s.file.capacity, s.file.path) == ("redis", "redis://h:1/0", 1 << 30, "/srv/kv")
+    assert (s.mooncake.protocol, s.timeout_s, config.warnings) == ("rdma", 2.0, ())
+    assert config.source("storage.mooncake.protocol") == "env CACHEXFERD_STORAGE_MOONCAKE_PROTOCOL"
+    assert config.to_dict()["storage"]["file"]["path"] == "/srv/kv"
+
+
+def test_the_flat_storage_names_of_earlier_releases_still_read_with_one_warning_each(tmp_path: Path) -> None:
+    toml = tmp_path / "old.toml"
+    toml.write_text('[storage]\npath = "/srv/kv"\ncapacity = "2GiB"\n')
+    env = {"CACHEXFERD_STORAGE_URL": "redis://h:1/0"}
+    config = load_config(toml, {"storage.master": "m:1"}, env)
+    s = config.storage
+    assert (s.file.path, s.file.capacity) == ("/srv/kv", 2 << 30)
+    assert (s.redis.url, s.mooncake.master) == ("redis://h:1/0", "m:1")
+    assert sorted(config.warnings) == [
+        f"storage.capacity (from {toml}) is now storage.file.capacity; it still works, but rename it",
+        "storage.master (from flag storage.master) is now storage.mooncake.master; it still works, but rename it",
+        f"storage.path (from {toml}) is now storage.file.path; it still works, but rename it",
+        "storage.url (from env CACHEXFERD_STORAGE_URL) is now storage.redis.url; it still works, but rename it",
+    ]
+    with pytest.raises(ConfigError, match=r"storage.file.capacity \(from .*\): expected a size"):
+        load_config(None, {"storage.capacity": "lots"}, {})
+
+
+def test_the_tables_follow_the_backend_registries() -> None:
+    from dataclasses import fields
+
+    from cachexferd.backends import COPY_BACKENDS
+    from cachexferd.config import TABLES, DaemonConfig, StorageConfig
+    from cachexferd.storage import STORAGE_BACKENDS
+
+    assert {f"storage.{name}" for name in STORAGE_BACKENDS} <= set(TABLES)
+    subtables = {f.name for f in fields(StorageConfig) if f.metadata.get("table")}
+    assert subtables == set(STORAGE_BACKENDS), "a StorageConfig field per registered storage backend"
+    assert dict(fields(StorageConfig)[0].metadata)["choices"] == ("none", *STORAGE_BACKENDS)
+    assert dict(fields(DaemonConfig)[1].metadata)["choices"] == ("auto", *COPY_BACKENDS)
+    assert all(spec.table in ("", *TABLES) for spec in COPY_BACKENDS.values())
 
 
 def test_every_setting_is_documented() -> None:

@@ -1,9 +1,11 @@
-"""The package's layering, read from the source: no module imports from a layer above its own.
+"""The package's layering, read from the source: no module imports from a layer above its own,
+nor from another component of its own layer.
 
-protocol and the small shared modules -> client, index, copy backends, storage backends ->
-daemon -> integrations (imported by nothing else) -> the commands (cli, demo, bench, status,
-launch, ...) on top. Every import counts, also one inside a function: a lazy import still
-runs upward when it runs.
+protocol, the small shared modules and the backend registries -> client | index | copy
+backends | storage backends | metrics (independent of each other) -> daemon -> integrations
+(imported by nothing else) -> the commands (cli, demo, bench, status, launch, ...) on top.
+Every import that runs counts, also one inside a function: a lazy import still runs upward
+when it runs. Imports for the type checker alone (under ``if TYPE_CHECKING:``) do not.
 """
 
 from __future__ import annotations
@@ -13,41 +15,59 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "cachexferd"
 
-# The first matching prefix decides a module's layer (0 lowest).
-LAYERS: list[tuple[str, int]] = [
-    ("cachexferd.protocol", 0),
-    ("cachexferd.units", 0),
-    ("cachexferd.procs", 0),
-    ("cachexferd.zmqio", 0),
-    ("cachexferd.config", 0),
-    ("cachexferd.security", 0),
-    ("cachexferd.host_cache", 0),
-    ("cachexferd.client", 1),
-    ("cachexferd.index", 1),
-    ("cachexferd.backends", 1),
-    ("cachexferd.storage.", 1),  # the storage backends package (storage_servers is a command)
-    ("cachexferd.storage", 1),
-    ("cachexferd.metrics", 1),
-    ("cachexferd.daemon", 2),
-    ("cachexferd.integrations", 3),
-    ("cachexferd.", 4),  # cli, demo*, bench, status, launch, preflight, storage_servers, keys_cli
+# Components, by module prefix: the first match decides (a prefix ending in "." matches the
+# package's modules but not the package itself; "=" marks an exact match).
+COMPONENTS: list[tuple[str, str]] = [
+    ("cachexferd.protocol", "protocol"),
+    *((f"cachexferd.{name}", "shared") for name in ("units", "procs", "zmqio", "config", "setting")),
+    *((f"cachexferd.{name}", "shared") for name in ("security", "host_cache")),
+    ("=cachexferd.backends", "registries"),  # the backend tables the configuration reads: no backend code
+    ("=cachexferd.storage", "registries"),
+    ("cachexferd.client", "client"),
+    ("cachexferd.index", "index"),
+    ("cachexferd.backends.", "backends"),
+    ("cachexferd.storage.", "storage"),  # the storage backends package (storage_servers is a command)
+    ("cachexferd.metrics", "metrics"),
+    ("cachexferd.daemon", "daemon"),
+    ("cachexferd.integrations", "integrations"),
+    ("cachexferd.", "commands"),  # cli, demo*, bench, status, launch, preflight, storage_servers, keys_cli
 ]
+# Layers, 0 lowest: a module may import from its own component and from lower layers. The
+# components of layer 0 are one pool; those of layer 1 are independent of each other.
+LAYER = {"protocol": 0, "shared": 0, "registries": 0, "client": 1, "index": 1, "backends": 1, "storage": 1,
+         "metrics": 1, "daemon": 2, "integrations": 3, "commands": 4}  # fmt: skip
 NAMES = {0: "protocol/shared", 1: "client/index/backends/storage", 2: "daemon", 3: "integrations", 4: "commands"}
 
-# Known upward imports, each with the reason it is tolerated for now. Keep this short.
+# Imports between two components of one layer that are allowed (importer prefix, imported prefix).
+SIDEWAYS: dict[tuple[str, str], str] = {
+    ("cachexferd.index", "cachexferd.storage.keys"): "the engine-side index names storage objects with the key "
+    "library, which imports nothing but the standard library",
+}
+# Known violations, each with the reason it is tolerated for now. Keep this short.
 KNOWN: dict[tuple[str, str], str] = {
     ("cachexferd.integrations.vllm.bench", "cachexferd.launch"): "the vLLM benchmark is a command kept beside "
     "the plug-in; it starts daemons with the launcher",
+    ("cachexferd.backends.cuda", "cachexferd.client.cuda_runner"): "check_runner_tensors, shared by the runner and "
+    "the cuda backend, is to move below both",
+    ("cachexferd.backends.cuda_ipc", "cachexferd.client.cuda_runner"): "device_uuid, shared by the runner and the "
+    "cuda backend, is to move below both",
 }
 
 
-def layer(module: str) -> int:
+def component(module: str) -> str:
     if module == "cachexferd":
-        return 0  # the package itself: its version only
-    for prefix, level in LAYERS:
-        if module == prefix or module.startswith(prefix + ".") or (prefix.endswith(".") and module.startswith(prefix)):
-            return level
-    raise AssertionError(f"{module} has no layer: add it to LAYERS")
+        return "shared"  # the package itself: its version only
+    for prefix, name in COMPONENTS:
+        if prefix.startswith("="):
+            if module == prefix[1:]:
+                return name
+        elif module == prefix or module.startswith(prefix if prefix.endswith(".") else prefix + "."):
+            return name
+    raise AssertionError(f"{module} has no component: add it to COMPONENTS")
+
+
+def layer(module: str) -> int:
+    return LAYER[component(module)]
 
 
 def module_name(path: Path) -> str:
@@ -63,7 +83,7 @@ def imports_in(name: str, source: str, is_package: bool = False) -> set[str]:
     """Every cachexferd module the code of module ``name`` imports, at any depth."""
     package = name if is_package else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in _running_nodes(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
@@ -78,18 +98,42 @@ def imports_in(name: str, source: str, is_package: bool = False) -> set[str]:
     return found
 
 
+def _running_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node but those under ``if TYPE_CHECKING:`` (imports for the type checker only)."""
+    nodes: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        nodes.append(node)
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return nodes
+
+
 def _is_module(dotted: str) -> bool:
     relative = Path(*dotted.split(".")[1:])
     return (PACKAGE / relative).with_suffix(".py").is_file() or (PACKAGE / relative / "__init__.py").is_file()
 
 
+def _allowed_sideways(name: str, target: str) -> bool:
+    return any(name.startswith(a) and target.startswith(b) for a, b in SIDEWAYS)
+
+
 def upward_imports(modules: dict[str, set[str]]) -> list[str]:
+    """Imports from a higher layer, and (above layer 0) from another component of the same layer."""
     problems = []
     for name, targets in sorted(modules.items()):
-        own = layer(name)
+        own, mine = layer(name), component(name)
         for target in sorted(targets):
-            if layer(target) > own and (name, target) not in KNOWN:
+            if (name, target) in KNOWN:
+                continue
+            theirs = component(target)
+            if layer(target) > own:
                 problems.append(f"{name} ({NAMES[own]}) imports {target} ({NAMES[layer(target)]})")
+            elif own > 0 and layer(target) == own and theirs != mine and not _allowed_sideways(name, target):
+                problems.append(f"{name} ({mine}) imports {target} ({theirs}): a sideways import within a layer")
     return problems
 
 
@@ -134,3 +178,21 @@ def test_the_checker_sees_upward_imports() -> None:
     }
     found = upward_imports({name: imports_in(name, source) for name, source in probes.items()})
     assert [p.split(" ")[0] for p in found] == sorted(probes), found
+
+
+def test_the_checker_sees_sideways_imports_and_registries_that_grow_code() -> None:
+    """Client and backends (and the other components of their layer) never import each other;
+    the registries the configuration reads stay below everything but the shared modules."""
+    probes = {
+        "cachexferd.backends.probe": "from ..client.core import EngineClient\n",
+        "cachexferd.client.probe2": "from ..backends.cpu import CpuBackend\n",
+        "cachexferd.storage.probe": "from ..index.tree import PrefixTree\n",
+        "cachexferd.metrics": "from .client import EngineClient\n",
+        "cachexferd.storage": "from .file import FileBackend\n",
+    }
+    packages = {"cachexferd.storage"}
+    found = upward_imports({name: imports_in(name, source, name in packages) for name, source in probes.items()})
+    assert sorted(p.split(" ")[0] for p in found) == sorted(probes), found
+    quiet = {"cachexferd.index.probe": "from ..storage.keys import KeySpace\n",
+             "cachexferd.storage.probe": "if TYPE_CHECKING:\n    from ..daemon.server import Daemon\n"}  # fmt: skip
+    assert upward_imports({name: imports_in(name, source) for name, source in quiet.items()}) == []

@@ -27,9 +27,9 @@ def test_conflict_rules() -> None:
 
 def test_register_waits_only_for_conflicts() -> None:
     order = BlockOrdering()
-    a = order.register(swap_access([1], [7], to_host=True))
-    b = order.register(swap_access([2], [8], to_host=True))
-    c = order.register(swap_access([3], [7], to_host=False))
+    a = order.register(swap_access([1], [7], to_host=True), None)
+    b = order.register(swap_access([2], [8], to_host=True), None)
+    c = order.register(swap_access([3], [7], to_host=False), None)
     assert a.ready and b.ready and not c.ready
     assert order.counts() == (3, 0)
     assert order.release(b) == []
@@ -40,10 +40,10 @@ def test_register_waits_only_for_conflicts() -> None:
 
 def test_readers_share_and_writer_waits_for_all_of_them() -> None:
     order = BlockOrdering()
-    w1 = order.register(Access(host_write=frozenset({5})))
-    r1 = order.register(Access(host_read=frozenset({5})))
-    r2 = order.register(Access(host_read=frozenset({5})))
-    w2 = order.register(Access(host_write=frozenset({5})))
+    w1 = order.register(Access(host_write=frozenset({5})), None)
+    r1 = order.register(Access(host_read=frozenset({5})), None)
+    r2 = order.register(Access(host_read=frozenset({5})), None)
+    w2 = order.register(Access(host_write=frozenset({5})), None)
     assert [w1.ready, r1.ready, r2.ready, w2.ready] == [True, False, False, False]
     assert order.release(w1) == [r1, r2]  # both readers at once
     assert order.release(r1) == []
@@ -52,8 +52,8 @@ def test_readers_share_and_writer_waits_for_all_of_them() -> None:
 
 def test_device_only_listing() -> None:
     order = BlockOrdering()
-    order.register(Access(host_read=frozenset({1})))
-    dev = order.register(swap_access([1], [2], to_host=True))
+    order.register(Access(host_read=frozenset({1})), None)
+    dev = order.register(swap_access([1], [2], to_host=True), None)
     assert order.active(device_only=True) == [dev]
 
 
@@ -62,12 +62,12 @@ def test_finished_and_released_are_separate() -> None:
 
     async def scenario() -> None:
         order = BlockOrdering()
-        held = order.register(Access(host_write=frozenset({5}), device_read=frozenset({1})))
+        held = order.register(Access(host_write=frozenset({5}), device_read=frozenset({1})), None)
         waiter = held.when_finished()
         order.start(held)
         order.finish(held, 33)
         assert waiter.done() and held.code == 33 and order.counts() == (0, 0)
-        later = order.register(Access(host_read=frozenset({5})))
+        later = order.register(Access(host_read=frozenset({5})), None)
         assert not later.ready
         assert order.release(held) == [later]
 
@@ -76,10 +76,10 @@ def test_finished_and_released_are_separate() -> None:
 
 def test_clear_host_is_a_barrier_for_every_host_access() -> None:
     order = BlockOrdering()
-    before = [order.register(Access(host_read=frozenset({i}))) for i in range(3)]
-    device_only = order.register(Access(device_write=frozenset({9})))
-    clear = order.register(Access(all_host_write=True))
-    after = order.register(Access(host_write=frozenset({77})))
+    before = [order.register(Access(host_read=frozenset({i})), None) for i in range(3)]
+    device_only = order.register(Access(device_write=frozenset({9})), None)
+    clear = order.register(Access(all_host_write=True), None)
+    after = order.register(Access(host_write=frozenset({77})), None)
     assert device_only.ready and not clear.ready and not after.ready
     for entry in before[:-1]:
         assert order.release(entry) == []
@@ -107,7 +107,7 @@ def _check_against_pairwise_rule(seed: int, steps: int = 600) -> None:
             order.release(victim)
             live.remove(victim)
         else:
-            live.append(order.register(random_access()))
+            live.append(order.register(random_access(), None))
         for i, entry in enumerate(live):
             blocked = any(entry.access.conflicts_with(earlier.access) for earlier in live[:i])
             assert entry.ready == (not blocked), (seed, i)
@@ -124,9 +124,9 @@ def test_work_per_command_does_not_grow_with_commands_in_flight() -> None:
     def examined_per_command(chain: int, independent: int) -> float:
         order = BlockOrdering()
         for i in range(independent):  # in flight, untouched by the chain
-            order.register(swap_access([1000 + i], [1000 + i], to_host=True))
+            order.register(swap_access([1000 + i], [1000 + i], to_host=True), None)
         start = order.examined
-        entries = [order.register(swap_access([1], [7], to_host=i % 2 == 0)) for i in range(chain)]
+        entries = [order.register(swap_access([1], [7], to_host=i % 2 == 0), None) for i in range(chain)]
         for entry in entries:
             assert entry.ready
             order.release(entry)
@@ -141,9 +141,9 @@ def test_work_per_command_does_not_grow_with_commands_in_flight() -> None:
 def test_a_group_counts_as_its_commands() -> None:
     """A group of swaps is one entry of ``weight`` commands: every count is in commands."""
     order = BlockOrdering()
-    group = order.register(swap_access([1, 2, 3], [7, 8, 9], to_host=True), weight=3)
-    single = order.register(swap_access([4], [10], to_host=True))
-    behind = order.register(swap_access([5], [8], to_host=False))  # reads host 8, which the group writes
+    group = order.register(swap_access([1, 2, 3], [7, 8, 9], to_host=True), None, weight=3)
+    single = order.register(swap_access([4], [10], to_host=True), None)
+    behind = order.register(swap_access([5], [8], to_host=False), None)  # reads host 8, which the group writes
     assert len(order) == 5 and order.counts() == (5, 0)
     assert behind.unmet == 1 and group.ready
     order.start(group)
@@ -164,8 +164,8 @@ def test_pause_reports_every_command_of_a_group() -> None:
 
     async def scenario() -> dict[str, object]:
         order = BlockOrdering()
-        drained = order.register(swap_access([1, 2], [7, 8], to_host=True), weight=2)
-        stuck = order.register(swap_access([3, 4, 5], [9, 10, 11], to_host=True), weight=3)
+        drained = order.register(swap_access([1, 2], [7, 8], to_host=True), None, weight=2)
+        stuck = order.register(swap_access([3, 4, 5], [9, 10, 11], to_host=True), None, weight=3)
         for entry in (drained, stuck):
             order.start(entry)
 

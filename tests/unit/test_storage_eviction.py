@@ -93,3 +93,56 @@ def test_a_scan_keeps_links_and_forgets_vanished_objects() -> None:
     index.merge([("a0", SIZE, 1_000), ("a1", SIZE, 1_000), ("x", SIZE, 500)], started=10_000)
     assert index.scanned and len(index) == 3  # a2 was gone at the scan
     assert index.victims(need=2 * SIZE) == ["x", "a1"]
+
+
+def test_a_store_never_evicts_the_end_of_the_chain_it_extends() -> None:
+    """Room for an extension is not made by evicting its parent (which would cut the new
+    objects off from the head): with nothing else to evict, the extension does not fit."""
+    index = scanned(EvictionIndex(10 * SIZE))
+    chain(index, [f"a{i}" for i in range(10)])
+    room, evicted = index.reserve(["a10", "a11"], SIZE, parent="a9")
+    assert (room, evicted) == (0, [])
+    index.release(["a10", "a11"], parent="a9")
+    room, evicted = index.reserve(["b0", "b1"], SIZE)  # a chain of its own may shorten `a`
+    assert room == 2 and evicted == ["a9", "a8", "a7"]  # down to 90% with the two new ones
+
+
+def test_objects_cut_off_from_their_head_go_first() -> None:
+    index = scanned(EvictionIndex(0))
+    chain(index, ["a0", "a1", "a2", "a3"], now=1_000_000_000)
+    chain(index, ["b0", "b1"], now=2_000_000_000)
+    index.discard("a1")  # removed by hand: a2 and a3 no longer load from a0
+    assert not index.whole("a2") and not index.whole("a3") and index.whole("a0")
+    assert index.victims(need=3 * SIZE) == ["a3", "a2", "a0"]  # then the oldest leaf left
+
+
+def test_a_cut_off_extension_evicts_only_cut_off_objects() -> None:
+    """An extension whose parent is not stored cannot load from the head: it never shortens a
+    chain that can, but takes the room of other cut-off objects."""
+    index = scanned(EvictionIndex(6 * SIZE))
+    chain(index, ["a0", "a1", "a2", "a3"])
+    chain(index, ["x1", "x2"], parent="x0")  # x0 never stored: cut off
+    room, evicted = index.reserve(["y1", "y2", "y3"], SIZE, parent="y0")
+    assert evicted == ["x2", "x1"] and room == 2, (room, evicted)
+    index.release(["y1", "y2", "y3"], parent="y0")
+    assert len(index) == 4 and index.whole("a3")
+
+
+def test_a_parent_stored_again_makes_what_follows_it_whole_again() -> None:
+    index = scanned(EvictionIndex(0))
+    chain(index, ["a0", "a1", "a2", "a3"])
+    index.discard("a1")
+    assert not index.whole("a3")
+    index.used("a1", SIZE, parent="a0")  # stored again by a STORE naming its parent
+    assert index.whole("a3") and index.whole("a2")
+    assert index.victims(need=SIZE) == ["a3"]
+
+
+def test_an_extension_of_a_running_store_counts_as_whole() -> None:
+    """Stores of one chain pipelined: the second's parent is reserved by the first, not yet written."""
+    index = scanned(EvictionIndex(10 * SIZE))
+    chain(index, ["a0", "a1"])
+    assert index.reserve(["a2", "a3"], SIZE, parent="a1")[0] == 2
+    chain(index, ["old0", "old1"], now=1)
+    room, evicted = index.reserve(["a4", "a5", "a6", "a7", "a8", "a9"], SIZE, parent="a3")
+    assert room == 6 and evicted == ["old1", "old0"]  # a whole extension may evict other chains
