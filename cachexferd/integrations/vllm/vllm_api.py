@@ -137,6 +137,15 @@ def backing_sizes(kv_cache_config: KVCacheConfig) -> set[int]:
     return {int(t.size) for t in kv_cache_config.kv_cache_tensors}
 
 
+def offline_engine() -> tuple[type[Any], type[Any]]:
+    """vLLM's offline engine class and its sampling parameters (for bench.py), imported on
+    first use: the entrypoint pulls in far more of vLLM than the plug-in needs."""
+    from vllm.entrypoints.llm import LLM
+    from vllm.sampling_params import SamplingParams
+
+    return LLM, SamplingParams
+
+
 def instance_id(vllm_config: VllmConfig) -> str:
     """An id every process of one vLLM instance shares (scheduler and workers)."""
     return str(getattr(vllm_config, "instance_id", "") or "")
@@ -175,4 +184,5 @@ __all__ = [
     "get_offload_group_idx",
     "instance_id",
     "manager_lock",
+    "offline_engine",
 ]

@@ -312,7 +312,40 @@ KV_ALLOCATION = [
     Use("vllm.v1.worker.cpu_worker:CPUWorker", "bases", "Worker", "the CPU worker initializes as the GPU one"),
 ]
 
-USES: list[Use] = [*IMPORTS, *SPEC, *MANAGER, *WORKER, *CONNECTOR_USES, *VLLM_CONFIG, *KV_ALLOCATION]
+# bench.py runs vLLM's offline engine (vllm_api.offline_engine) with these engine arguments.
+BENCH = [
+    Use("vllm.entrypoints.llm:LLM", "binds", "present", "vllm_api.offline_engine imports it"),
+    Use("vllm.sampling_params:SamplingParams", "binds", "present", "vllm_api.offline_engine imports it"),
+    Use(
+        "vllm.entrypoints.llm:LLM.generate",
+        "signature",
+        "(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None, priority=None, "
+        "tokenization_kwargs=None, mm_processor_kwargs=None)",
+        "bench.ttft",
+    ),
+    *(
+        Use(f"vllm.sampling_params:SamplingParams.{a}", "attribute", "present", "bench.ttft")
+        for a in ("max_tokens", "temperature")
+    ),
+    Use("vllm.outputs:RequestOutput.num_cached_tokens", "attribute", "present", "bench.ttft"),
+    *(
+        Use(f"vllm.engine.arg_utils:EngineArgs.{a}", "attribute", "present", "bench.engine passes it to LLM")
+        for a in (
+            "model",
+            "dtype",
+            "block_size",
+            "enforce_eager",
+            "seed",
+            "max_num_seqs",
+            "kv_cache_memory_bytes",
+            "max_model_len",
+            "enable_prefix_caching",
+            "kv_transfer_config",
+        )
+    ),
+]
+
+USES: list[Use] = [*IMPORTS, *SPEC, *MANAGER, *WORKER, *CONNECTOR_USES, *VLLM_CONFIG, *KV_ALLOCATION, *BENCH]
 
 
 def _key(name: str, kind: str) -> str:
