@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from cachexferd.integrations.vllm import api_check
-from cachexferd.integrations.vllm.api_check import SourceTree, describe, differences
-from cachexferd.integrations.vllm.vllm_names import ABSENT, HANDLED, USES, Use
+from cachexferd.integrations.vllm import api_check, vllm_names
+from cachexferd.integrations.vllm.api_check import SourceTree, describe, differences, override_problems
+from cachexferd.integrations.vllm.vllm_names import ABSENT, HANDLED, USES, Handled, Use
 
 ROOT = Path(__file__).resolve().parents[2]
 FETCH = ROOT / "scripts" / "fetch-vllm-sources.sh"
-VLLM_API = ROOT / "cachexferd" / "integrations" / "vllm" / "vllm_api.py"
+PLUGIN = ROOT / "cachexferd" / "integrations" / "vllm"
+VLLM_API = PLUGIN / "vllm_api.py"
 UNREACHABLE = 75  # fetch-vllm-sources.sh: a wheel could not be downloaded
 BASE = "vllm.v1.kv_offload.base"
 
@@ -128,6 +129,59 @@ def test_every_name_vllm_api_imports_from_vllm_is_in_the_manifest() -> None:
     assert imported and imported <= listed, f"not in vllm_names.py: {sorted(imported - listed)}"
 
 
+@pytest.mark.parametrize("series", supported())
+def test_the_plugins_overrides_take_every_call_vllm_makes(series: str) -> None:
+    assert override_problems(PLUGIN, series) == []
+
+
+def test_every_plugin_method_that_overrides_vllms_is_in_the_manifest() -> None:
+    """A plug-in method named as one its vLLM base class defines has its signature checked."""
+    checked = {(use.override, use.qualname.split(".")[-1]) for use in USES if use.override}
+    for override, base in [
+        (vllm_names.MANAGER_CLASS, "OffloadingManager"),
+        (vllm_names.WORKER_CLASS, "OffloadingWorker"),
+        (vllm_names.CONNECTOR_CLASS, "OffloadingConnector"),
+        ("spec.py:CachexferdOffloadingSpec", "OffloadingSpec"),
+    ]:
+        file, cls = override.split(":")
+        ours = _defined_methods(PLUGIN / file, cls)
+        theirs = next(u.value for u in USES if u.kind == "methods" and u.qualname == base)
+        shadowed = ours & {m.rstrip("*") for m in theirs.split(", ")}
+        assert shadowed and all((override, m) in checked for m in shadowed), (override, shadowed)
+
+
+def test_an_override_that_would_not_take_vllms_call_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plugin = tmp_path / "plugin"
+    shutil.copytree(PLUGIN, plugin, ignore=shutil.ignore_patterns("__pycache__"))
+    _edit_file(plugin / "manager.py", "def lookup(self, key: OffloadKey,", "def lookup(self, offload_key: OffloadKey,")
+    _edit_file(
+        plugin / "manager.py",
+        "req_context: ReqContext, success: bool = True)",
+        "req_context: ReqContext, success: bool)",
+    )
+    _edit_file(
+        plugin / "spec.py",
+        "def get_worker(self, kv_caches: CanonicalKVCaches)",
+        "def get_worker(self, kv_caches, rank)",
+    )
+    problems = [p.split("): ", 1)[1] for p in override_problems(plugin, "0.32")]
+    assert problems == [
+        "'rank' is not vLLM's and has no default",  # get_worker
+        "parameter 1 is 'offload_key', vLLM's is 'key'",  # lookup
+        "'offload_key' is not vLLM's and has no default",
+        "'success' has no default; vLLM's has one (and may leave it out)",  # complete_store
+    ]
+    # Without the shim's declared drop, 0.33's expedited keyword is one the worker does not take.
+    key = f"{BASE}:OffloadingWorker.submit_load signature"
+    without_drop = Handled(HANDLED["0.33"][key].value, "no shim")
+    monkeypatch.setitem(HANDLED["0.33"], key, without_drop)
+    assert [p.split("): ", 1)[1] for p in override_problems(PLUGIN, "0.33")] == [
+        "takes no parameter 'expedited' (position 4)"
+    ]
+
+
 def test_signatures_are_written_with_kinds_and_defaults(tmp_path: Path) -> None:
     source = (
         "import abc\n"
@@ -180,8 +234,18 @@ def _copy_used_modules(source: Path, dest: Path) -> Path:
     return dest
 
 
+def _defined_methods(path: Path, cls: str) -> set[str]:
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return {item.name for item in node.body if isinstance(item, ast.FunctionDef)}
+    raise AssertionError(f"no class {cls} in {path}")
+
+
 def _edit(root: Path, module: str, old: str, new: str) -> None:
-    path = _module_file(root, module)
+    _edit_file(_module_file(root, module), old, new)
+
+
+def _edit_file(path: Path, old: str, new: str) -> None:
     text = path.read_text()
     assert text.count(old) == 1, f"{old!r} is not once in {path}"
     path.write_text(text.replace(old, new))

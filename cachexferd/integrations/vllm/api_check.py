@@ -7,7 +7,8 @@ A source tree is an installed ``vllm`` package directory, an unpacked wheel, or 
 holding either. The check reads the sources with Python's ``ast`` and imports nothing (not vLLM,
 not torch), so any vLLM version can be checked on any machine. It prints one line per difference
 (version, name, what was expected, what was found) and exits 1 on any; a difference the plug-in
-handles on purpose is declared per version in vllm_names.py, so only a new one fails.
+handles on purpose is declared per version in vllm_names.py, so only a new one fails. It also
+checks that each plug-in method overriding one of vLLM's takes every call that version makes.
 ``--dump`` prints every name's value as found, to write or update the manifest from.
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 from .vllm_names import ABSENT, HANDLED, USES, Use
 
 PROPERTY_LIKE = ("property", "classmethod", "staticmethod", "abstractmethod")
+PLUGIN_DIR = Path(__file__).parent  # whose overrides are checked against each tree's version
 
 
 @dataclass(frozen=True)
@@ -222,6 +224,68 @@ def differences(tree: SourceTree) -> Iterator[Difference]:
             yield Difference(version, use, wanted, found)
 
 
+def override_problems(plugin_dir: Path, version: str) -> list[str]:
+    """Where a plug-in method that overrides one of vLLM's (``Use.override``) would not take
+    every call vLLM ``version`` makes to it, as the manifest has that method's signature."""
+    problems = []
+    for use in USES:
+        if not use.override:
+            continue
+        file, cls = use.override.split(":")
+        method = use.qualname.split(".")[-1]
+        where = f"{use.override}.{method} (vLLM {version}: {use.name})"
+        node = _find(ast.parse((plugin_dir / file).read_text()), [cls, method])
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            problems.append(f"{where}: the plug-in does not define it")
+            continue
+        handled = HANDLED.get(version, {}).get(use.key)
+        dropped = handled.drops if handled is not None else ()
+        vllm_args = _arguments(expected(use, version))
+        problems += [f"{where}: {p}" for p in _incompatible(node.args, vllm_args, dropped)]
+    return problems
+
+
+def _arguments(signature: str) -> ast.arguments:
+    """The parameters of a manifest signature such as ``@property (self, a, b=1, *, c)``."""
+    function = ast.parse(f"def f{signature[signature.index('(') :]}: pass").body[0]
+    assert isinstance(function, ast.FunctionDef)
+    return function.args
+
+
+def _incompatible(ours: ast.arguments, theirs: ast.arguments, dropped: tuple[str, ...]) -> Iterator[str]:
+    """How a method with parameters ``ours`` fails to take the calls one with ``theirs`` takes:
+    the same positional parameters in the same order, every keyword, a default wherever vLLM
+    may leave one out, and defaults for the parameters vLLM does not know."""
+    our_positional, their_positional = [*ours.posonlyargs, *ours.args], [*theirs.posonlyargs, *theirs.args]
+    our_defaults = _with_defaults(ours)
+    their_defaults = _with_defaults(theirs)
+    for index, param in enumerate(their_positional):
+        if param.arg in dropped:
+            continue
+        if index >= len(our_positional):
+            if ours.vararg is None:
+                yield f"takes no parameter {param.arg!r} (position {index})"
+        elif our_positional[index].arg != param.arg:
+            yield f"parameter {index} is {our_positional[index].arg!r}, vLLM's is {param.arg!r}"
+    our_names = {a.arg for a in [*our_positional, *ours.kwonlyargs]}
+    for param in theirs.kwonlyargs:
+        if param.arg not in dropped and param.arg not in our_names and ours.kwarg is None:
+            yield f"takes no keyword {param.arg!r}"
+    for name in their_defaults - set(dropped):
+        if name in our_names and name not in our_defaults:
+            yield f"{name!r} has no default; vLLM's has one (and may leave it out)"
+    their_names = {a.arg for a in [*their_positional, *theirs.kwonlyargs]}
+    for name in our_names - their_names - our_defaults:
+        yield f"{name!r} is not vLLM's and has no default"
+
+
+def _with_defaults(args: ast.arguments) -> set[str]:
+    positional = [*args.posonlyargs, *args.args]
+    with_default = positional[len(positional) - len(args.defaults) :]
+    keyword = [a for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+    return {a.arg for a in [*with_default, *keyword]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trees", nargs="+", type=Path, help="vLLM source trees (package dir or its parent)")
@@ -234,9 +298,10 @@ def main(argv: list[str] | None = None) -> int:
             for use in USES:
                 print(f"{use.key}\t{use.kind}\t{describe(tree, use)}")
             continue
-        found = list(differences(tree))
-        for difference in found:
-            print(difference.line())
+        found = [d.line() for d in differences(tree)]
+        found += [f"plug-in: {p}" for p in override_problems(PLUGIN_DIR, tree.version)]
+        for line in found:
+            print(line)
         print(f"vLLM {tree.version} ({tree.root}): {len(USES)} names checked, {len(found)} differences")
         failed = failed or bool(found)
     return 1 if failed else 0

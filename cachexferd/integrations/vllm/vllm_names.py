@@ -35,6 +35,7 @@ class Use:
     value: str  # as api_check describes it in the vLLM the plug-in was written against
     why: str  # where the plug-in uses it
     callee: str = ""  # for kind "calls"
+    override: str = ""  # "file.py:Class" of the plug-in that overrides this method (kind "signature")
 
     @property
     def module(self) -> str:
@@ -53,8 +54,12 @@ class Use:
 class Handled:
     value: str  # the value in that vLLM series
     how: str  # how the plug-in follows it
+    drops: tuple[str, ...] = ()  # keyword arguments a vllm_api shim takes away before the override sees them
 
 
+MANAGER_CLASS = "manager.py:CachexferdManager"
+WORKER_CLASS = "worker.py:CachexferdWorker"
+CONNECTOR_CLASS = "connector.py:CachexferdConnector"
 CONNECTOR_V1 = "vllm.distributed.kv_transfer.kv_connector.v1"
 OFFLOADING = f"{CONNECTOR_V1}.offloading"
 CONNECTOR = f"{CONNECTOR_V1}.offloading_connector"
@@ -113,10 +118,26 @@ IMPORTS = [
 SPEC = [
     Use(f"{KV_OFFLOAD}:OffloadingSpec", "bases", "ABC", "spec.py subclasses it"),
     Use(f"{KV_OFFLOAD}:OffloadingSpec", "methods", SPEC_METHODS, "spec.py subclasses it"),
-    Use(f"{KV_OFFLOAD}:OffloadingSpec.__init__", "signature", "(self, config)", "spec.py calls super().__init__"),
-    Use(f"{KV_OFFLOAD}:OffloadingSpec.get_manager", "signature", "@abstractmethod (self)", "spec.py overrides"),
     Use(
-        f"{KV_OFFLOAD}:OffloadingSpec.get_worker", "signature", "@abstractmethod (self, kv_caches)", "spec.py overrides"
+        f"{KV_OFFLOAD}:OffloadingSpec.__init__",
+        "signature",
+        "(self, config)",
+        "spec.py overrides it and calls it",
+        override="spec.py:CachexferdOffloadingSpec",
+    ),
+    Use(
+        f"{KV_OFFLOAD}:OffloadingSpec.get_manager",
+        "signature",
+        "@abstractmethod (self)",
+        "spec.py overrides it",
+        override="spec.py:CachexferdOffloadingSpec",
+    ),
+    Use(
+        f"{KV_OFFLOAD}:OffloadingSpec.get_worker",
+        "signature",
+        "@abstractmethod (self, kv_caches)",
+        "spec.py overrides it",
+        override="spec.py:CachexferdOffloadingSpec",
     ),
     *(
         Use(f"{KV_OFFLOAD}:OffloadingSpec.{a}", "attribute", "present", "spec.py reads self.<it>")
@@ -140,7 +161,7 @@ MANAGER = [
     Use(f"{KV_OFFLOAD}:OffloadingManager", "bases", "ABC", "manager.py subclasses it"),
     Use(f"{KV_OFFLOAD}:OffloadingManager", "methods", MANAGER_METHODS, "manager.py subclasses it"),
     *(
-        Use(f"{KV_OFFLOAD}:OffloadingManager.{m}", "signature", sig, "manager.py overrides it")
+        Use(f"{KV_OFFLOAD}:OffloadingManager.{m}", "signature", sig, "manager.py overrides it", override=MANAGER_CLASS)
         for m, sig in [
             ("on_new_request", "@abstractmethod (self, req_context)"),
             ("lookup", "@abstractmethod (self, key, req_context)"),
@@ -186,7 +207,7 @@ WORKER = [
     Use(f"{KV_OFFLOAD}:OffloadingWorker", "bases", "ABC", "worker.py subclasses it"),
     Use(f"{KV_OFFLOAD}:OffloadingWorker", "methods", WORKER_METHODS, "worker.py subclasses it"),
     *(
-        Use(f"{KV_OFFLOAD}:OffloadingWorker.{m}", "signature", sig, "worker.py overrides it")
+        Use(f"{KV_OFFLOAD}:OffloadingWorker.{m}", "signature", sig, "worker.py overrides it", override=WORKER_CLASS)
         for m, sig in [
             ("submit_store", "@abstractmethod (self, job_id, src_spec, dst_spec)"),
             ("submit_load", "@abstractmethod (self, job_id, src_spec, dst_spec)"),
@@ -215,23 +236,36 @@ CONNECTOR_USES = [
         "signature",
         "(self, vllm_config, role, kv_cache_config)",
         "connector.py calls super().__init__",
+        override=CONNECTOR_CLASS,
     ),
     *(
-        Use(f"{CONNECTOR}:OffloadingConnector.{m}", "signature", sig, "connector.py overrides it")
+        Use(
+            f"{CONNECTOR}:OffloadingConnector.{m}",
+            "signature",
+            sig,
+            "connector.py overrides it",
+            override=CONNECTOR_CLASS,
+        )
         for m, sig in [
             ("handle_preemptions", "(self, kv_connector_metadata)"),
             ("start_load_kv", "(self, forward_context, **kwargs)"),
             ("build_connector_worker_meta", "(self)"),
             ("update_connector_output", "(self, connector_output)"),
-            ("scheduler", "@property (self)"),
         ]
     ),
+    Use(f"{CONNECTOR}:OffloadingConnector.scheduler", "signature", "@property (self)", "connector.py reads it"),
     *(
         Use(f"{CONNECTOR}:OffloadingConnector.{a}", "attribute", "present", "connector.py reads self.<it>")
         for a in ("connector_worker", "connector_scheduler")
     ),
     *(
-        Use(f"{CONNECTOR_V1}.base:KVConnectorBase_V1.{m}", "signature", sig, "connector.py overrides it")
+        Use(
+            f"{CONNECTOR_V1}.base:KVConnectorBase_V1.{m}",
+            "signature",
+            sig,
+            "connector.py overrides it",
+            override=CONNECTOR_CLASS,
+        )
         for m, sig in [
             ("get_mem_pool_context", "(self)"),
             ("get_block_ids_with_load_errors", "(self)"),
@@ -244,6 +278,7 @@ CONNECTOR_USES = [
         "signature",
         "@abstractmethod (self, other)",
         "CachexferdWorkerMetadata overrides it",
+        override="connector.py:CachexferdWorkerMetadata",
     ),
     Use(
         f"{OFFLOADING}.common:OffloadingWorkerMetadata",
@@ -373,6 +408,7 @@ HANDLED: dict[str, dict[str, Handled]] = {
         _key(f"{KV_OFFLOAD}:OffloadingWorker.submit_load", "signature"): Handled(
             "@abstractmethod (self, job_id, src_spec, dst_spec, expedited=False)",
             "vllm_api.OffloadingWorker drops the expedited flag for a subclass whose submit_load does not take it",
+            drops=("expedited",),
         ),
     },
 }
