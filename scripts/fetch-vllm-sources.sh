@@ -63,6 +63,11 @@ fetch() {  # $1 = project==version: prints its source tree
   echo "$tree"
 }
 
+# One fetch at a time (test workers may start it together); the others then find the sources.
+mkdir -p "$cache"
+exec 9>"$cache/.lock"
+if command -v flock >/dev/null; then flock -w 1800 9; fi
+
 for release in "${releases[@]}"; do
   fetch "$release"
 done
