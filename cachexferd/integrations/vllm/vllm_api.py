@@ -55,7 +55,9 @@ check_version(VLLM_VERSION)
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector as VllmOffloadingConnector,
+)
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -95,6 +97,17 @@ def manager_lock(manager: OffloadingManager) -> AbstractContextManager[Any]:
         lock: AbstractContextManager[Any] = manager.lock
         return lock
     return contextlib.nullcontext()
+
+
+class OffloadingConnector(VllmOffloadingConnector):
+    """vLLM's OffloadingConnector, declining vLLM's sleep mode. Sleep frees the KV cache's
+    memory and wake-up maps new memory in its place, but the daemon stays attached to the
+    old: its transfers would miss the memory vLLM uses. 0.33 asks the connector class and
+    then refuses ``enable_sleep_mode`` at start; 0.32 does not ask."""
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return False
 
 
 class OffloadingWorker(VllmOffloadingWorker):

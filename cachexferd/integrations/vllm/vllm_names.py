@@ -57,6 +57,19 @@ class Handled:
     drops: tuple[str, ...] = ()  # keyword arguments a vllm_api shim takes away before the override sees them
 
 
+CONNECTOR_BASE_METHODS = (
+    "bind_connector_metadata, bind_gpu_block_pool, bind_kv_cache_manager, build_connector_meta*, "
+    "build_connector_worker_meta, build_kv_connector_stats, build_prom_metrics, clear_connector_metadata, "
+    "finish_forward, get_block_ids_with_load_errors, get_external_cache_hit_sources, get_finished, "
+    "get_finished_count, get_handshake_metadata, get_kv_connector_kv_cache_events, get_kv_connector_stats, "
+    "get_loaded_kv_cache_group_ids, get_mem_pool_context, get_num_new_matched_tokens*, get_required_kvcache_layout, "
+    "get_transfer_results, handle_preemptions, has_connector_metadata, has_pending_block_frees, "
+    "has_pending_push_work, on_new_request, register_finished_partial_tail, register_kv_caches, request_finished, "
+    "requires_kv_delivery, requires_piecewise_for_cudagraph, reset_cache, reset_capture_state, role, "
+    "save_kv_layer*, set_host_xfer_buffer_ops, set_xfer_handshake_metadata, set_xfer_handshake_metadata_pp_aware, "
+    "shutdown, start_load_kv*, supports_divergent_local_hybrid_hits, take_events, update_connector_output, "
+    "update_state_after_alloc*, wait_for_layer_load*, wait_for_save*"
+)
 MANAGER_CLASS = "manager.py:CachexferdManager"
 WORKER_CLASS = "worker.py:CachexferdWorker"
 CONNECTOR_CLASS = "connector.py:CachexferdConnector"
@@ -271,6 +284,15 @@ CONNECTOR_USES = [
             ("get_block_ids_with_load_errors", "(self)"),
         ]
     ),
+    # Hooks every connector inherits: a new one may need an answer from the plug-in.
+    Use(f"{CONNECTOR_V1}.base:KVConnectorBase_V1", "methods", CONNECTOR_BASE_METHODS, "OffloadingConnector's base"),
+    Use(
+        f"{CONNECTOR_V1}.base:KVConnectorBase_V1.supports_sleep_mode",
+        "signature",
+        ABSENT,
+        "vllm_api.OffloadingConnector overrides it (0.33)",
+        override="vllm_api.py:OffloadingConnector",
+    ),
     Use(f"{CONNECTOR_V1}.base:KVConnectorBase_V1._vllm_config", "attribute", "present", "connector.py"),
     Use(f"{CONNECTOR_V1}.base:KVConnectorRole.SCHEDULER", "attribute", "present", "connector.py"),
     Use(
@@ -404,6 +426,18 @@ HANDLED: dict[str, dict[str, Handled]] = {
         _key(f"{KV_OFFLOAD}:OffloadingSpec", "methods"): Handled(
             SPEC_METHODS.replace("build_metric_definitions", "build_metric_definitions, config_info_keys"),
             "config_info_keys (ConfigInfo label names) keeps vLLM's default: the plug-in publishes none",
+        ),
+        _key(f"{CONNECTOR_V1}.base:KVConnectorBase_V1", "methods"): Handled(
+            CONNECTOR_BASE_METHODS.replace("reset_capture_state, ", "reset_capture_state, restore_kv_caches, ")
+            .replace(
+                "supports_divergent_local_hybrid_hits, ", "supports_divergent_local_hybrid_hits, supports_sleep_mode, "
+            )
+            .replace("take_events, ", "take_events, unregister_kv_caches, "),
+            "sleep mode's hooks: vllm_api.OffloadingConnector answers supports_sleep_mode with False, so vLLM refuses "
+            "enable_sleep_mode with the plug-in and never calls unregister_kv_caches / restore_kv_caches",
+        ),
+        _key(f"{CONNECTOR_V1}.base:KVConnectorBase_V1.supports_sleep_mode", "signature"): Handled(
+            "@classmethod (cls, kv_transfer_config)", "vllm_api.OffloadingConnector overrides it: no sleep mode"
         ),
         _key(f"{KV_OFFLOAD}:OffloadingWorker.submit_load", "signature"): Handled(
             "@abstractmethod (self, job_id, src_spec, dst_spec, expedited=False)",
