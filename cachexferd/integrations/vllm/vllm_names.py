@@ -57,19 +57,6 @@ class Handled:
     drops: tuple[str, ...] = ()  # keyword arguments a vllm_api shim takes away before the override sees them
 
 
-CONNECTOR_BASE_METHODS = (
-    "bind_connector_metadata, bind_gpu_block_pool, bind_kv_cache_manager, build_connector_meta*, "
-    "build_connector_worker_meta, build_kv_connector_stats, build_prom_metrics, clear_connector_metadata, "
-    "finish_forward, get_block_ids_with_load_errors, get_external_cache_hit_sources, get_finished, "
-    "get_finished_count, get_handshake_metadata, get_kv_connector_kv_cache_events, get_kv_connector_stats, "
-    "get_loaded_kv_cache_group_ids, get_mem_pool_context, get_num_new_matched_tokens*, get_required_kvcache_layout, "
-    "get_transfer_results, handle_preemptions, has_connector_metadata, has_pending_block_frees, "
-    "has_pending_push_work, on_new_request, register_finished_partial_tail, register_kv_caches, request_finished, "
-    "requires_kv_delivery, requires_piecewise_for_cudagraph, reset_cache, reset_capture_state, role, "
-    "save_kv_layer*, set_host_xfer_buffer_ops, set_xfer_handshake_metadata, set_xfer_handshake_metadata_pp_aware, "
-    "shutdown, start_load_kv*, supports_divergent_local_hybrid_hits, take_events, update_connector_output, "
-    "update_state_after_alloc*, wait_for_layer_load*, wait_for_save*"
-)
 MANAGER_CLASS = "manager.py:CachexferdManager"
 WORKER_CLASS = "worker.py:CachexferdWorker"
 CONNECTOR_CLASS = "connector.py:CachexferdConnector"
@@ -92,6 +79,19 @@ CONNECTOR_METHODS = (
     "request_finished, request_finished_all_groups, requires_kv_delivery, reset_cache, save_kv_layer, scheduler, "
     "shutdown, start_load_kv, take_events, update_connector_output, update_state_after_alloc, wait_for_layer_load, "
     "wait_for_save"
+)
+CONNECTOR_BASE_METHODS = (
+    "bind_connector_metadata, bind_gpu_block_pool, bind_kv_cache_manager, build_connector_meta*, "
+    "build_connector_worker_meta, build_kv_connector_stats, build_prom_metrics, clear_connector_metadata, "
+    "finish_forward, get_block_ids_with_load_errors, get_external_cache_hit_sources, get_finished, "
+    "get_finished_count, get_handshake_metadata, get_kv_connector_kv_cache_events, get_kv_connector_stats, "
+    "get_loaded_kv_cache_group_ids, get_mem_pool_context, get_num_new_matched_tokens*, get_required_kvcache_layout, "
+    "get_transfer_results, handle_preemptions, has_connector_metadata, has_pending_block_frees, "
+    "has_pending_push_work, on_new_request, register_finished_partial_tail, register_kv_caches, request_finished, "
+    "requires_kv_delivery, requires_piecewise_for_cudagraph, reset_cache, reset_capture_state, role, "
+    "save_kv_layer*, set_host_xfer_buffer_ops, set_xfer_handshake_metadata, set_xfer_handshake_metadata_pp_aware, "
+    "shutdown, start_load_kv*, supports_divergent_local_hybrid_hits, take_events, update_connector_output, "
+    "update_state_after_alloc*, wait_for_layer_load*, wait_for_save*"
 )
 
 IMPORTS = [
