@@ -86,7 +86,7 @@ def engine(
         kind = KINDS[args.kind]
         return LLM(
             model=str(model), dtype="bfloat16", enforce_eager=True, seed=0, max_num_seqs=2, enable_prefix_caching=True,
-            **{**kind.engine, "max_model_len": 2048}, kv_cache_memory_bytes=kind.kv_bytes * args.kv_scale * scale,
+            **{**kind.engine, "max_model_len": 896}, kv_cache_memory_bytes=kind.kv_bytes * args.kv_scale * scale,
             **extra,
         )  # fmt: skip
     return LLM(
