@@ -99,7 +99,7 @@ IMPORTS = [
     for module, names in [
         ("vllm", ["__version__"]),
         ("vllm.config", ["VllmConfig"]),
-        (f"{CONNECTOR_V1}.base", ["KVConnectorRole", "KVConnectorWorkerMetadata"]),
+        (f"{CONNECTOR_V1}.base", ["KVConnectorRole", "KVConnectorTransferResults", "KVConnectorWorkerMetadata"]),
         (f"{OFFLOADING}.common", ["OffloadingWorkerMetadata"]),
         (CONNECTOR, ["OffloadingConnector"]),
         ("vllm.v1.kv_cache_interface", ["KVCacheConfig"]),
@@ -110,6 +110,8 @@ IMPORTS = [
                 "GPULoadStoreSpec",
                 "LoadStoreSpec",
                 "LookupResult",
+                "Medium",
+                "OffloadingEvent",
                 "OffloadingManager",
                 "OffloadingSpec",
                 "OffloadingWorker",
@@ -160,12 +162,14 @@ SPEC = [
         Use(f"{KV_OFFLOAD_CONFIG}:{c}.{a}", "attribute", "present", "spec.py reads config.<it>")
         for c, attrs in [
             ("OffloadingConfig", ["groups", "worker_kv_bytes_per_block", "kv_cache_layout", "model", "parallel"]),
-            ("OffloadingGroupConfig", ["layer_names", "tokens_per_block"]),
+            ("OffloadingGroupConfig", ["layer_names", "tokens_per_block", "group_id"]),
             ("OffloadingModelConfig", ["name", "dtype"]),
             ("OffloadingParallelConfig", ["world_size", "rank"]),
         ]
         for a in attrs
     ),
+    Use(f"{KV_OFFLOAD}:OffloadingSpec.kv_events_config", "attribute", "present", "spec.get_manager: events on"),
+    Use(f"{KV_OFFLOAD}:OffloadingKVEventsConfig.enable_kv_cache_events", "attribute", "present", "spec.get_manager"),
     Use(f"{KV_OFFLOAD}:CanonicalKVCaches.tensors", "attribute", "present", "spec.get_worker"),
     Use(f"{KV_OFFLOAD}:CanonicalKVCacheTensor.tensor", "attribute", "present", "spec.get_worker"),
 ]
@@ -187,8 +191,16 @@ MANAGER = [
             ("complete_store", "(self, keys, req_context, success=True)"),
             ("reset_cache", "(self)"),
             ("shutdown", "(self)"),
+            ("take_events", "(self)"),
         ]
     ),
+    Use(
+        f"{KV_OFFLOAD}:OffloadingEvent",
+        "fields",
+        "keys, medium, removed, locality=None, ownership=None, removal_expected=False",
+        "events.TierEvents constructs it",
+    ),
+    *(Use(f"{KV_OFFLOAD}:Medium.{m}", "attribute", "present", "events.py names the tiers") for m in ("CPU", "STORAGE")),
     # 0.33 makes every caller hold the manager's lock (vllm_api.manager_lock).
     Use(f"{KV_OFFLOAD}:OffloadingManager.lock", "signature", ABSENT, "vllm_api.manager_lock"),
     Use(f"{KV_OFFLOAD}:LookupResult", "bases", "Enum", "manager.lookup returns it"),
@@ -282,7 +294,14 @@ CONNECTOR_USES = [
         for m, sig in [
             ("get_mem_pool_context", "(self)"),
             ("get_block_ids_with_load_errors", "(self)"),
+            ("get_transfer_results", "(self, finished_req_ids)"),
         ]
+    ),
+    Use(
+        f"{CONNECTOR_V1}.base:KVConnectorTransferResults.failed_recving",
+        "attribute",
+        "present",
+        "connector.get_transfer_results: a failed load of a model with several KV-cache groups",
     ),
     # Hooks every connector inherits: a new one may need an answer from the plug-in.
     Use(f"{CONNECTOR_V1}.base:KVConnectorBase_V1", "methods", CONNECTOR_BASE_METHODS, "OffloadingConnector's base"),
@@ -336,14 +355,29 @@ CONNECTOR_USES = [
     Use(f"{OFFLOADING}.worker:OffloadingConnectorWorker.spec", "attribute", "present", "connector.py"),
     Use("vllm.v1.outputs:KVConnectorOutput.kv_connector_worker_meta", "attribute", "present", "connector.py"),
     Use("vllm.v1.kv_cache_interface:KVCacheConfig.kv_cache_tensors", "attribute", "present", "vllm_api.backing_sizes"),
+    Use("vllm.v1.kv_cache_interface:KVCacheConfig.kv_cache_groups", "attribute", "present", "connector.py"),
+    Use("vllm.v1.kv_cache_interface:KVCacheConfig.kv_tp_replicas", "attribute", "present", "vllm_api.replicated_kv"),
     Use("vllm.v1.kv_cache_interface:KVCacheTensor.size", "attribute", "present", "vllm_api.backing_sizes"),
 ]
 
 VLLM_CONFIG = [
     *(
         Use(f"vllm.config.vllm:VllmConfig.{a}", "attribute", "present", "connector.py, vllm_api.instance_id")
-        for a in ("kv_transfer_config", "cache_config", "device_config", "instance_id")
+        for a in (
+            "kv_transfer_config",
+            "cache_config",
+            "device_config",
+            "instance_id",
+            "model_config",
+            "parallel_config",
+        )
     ),
+    Use("vllm.config.model:ModelConfig.use_mla", "attribute", "present", "vllm_api.replicated_kv"),
+    *(
+        Use(f"vllm.config.parallel:ParallelConfig.{a}", "attribute", "present", "vllm_api.replicated_kv")
+        for a in ("tensor_parallel_size", "world_size", "decode_context_parallel_size", "prefill_context_parallel_size")
+    ),
+    Use("vllm.config.cache:CacheConfig.enable_prefix_caching", "attribute", "present", "connector.py: loads or not"),
     Use("vllm.config.kv_transfer:KVTransferConfig.kv_connector_extra_config", "attribute", "present", "connector.py"),
     Use("vllm.config.kv_transfer:KVTransferConfig.kv_load_failure_policy", "attribute", "present", "connector.py"),
     Use("vllm.config.cache:CacheConfig.prefix_caching_hash_algo", "attribute", "present", "connector.py"),
@@ -419,6 +453,11 @@ HANDLED: dict[str, dict[str, Handled]] = {
             "one that enters CachexferdManager; vllm_api.manager_lock for the plug-in's own calls), "
             "on_reset_flushed (not needed: reset_cache starts a new index whose owner token refuses any late "
             "write of a block the reset freed) and config_info (no info labels published)",
+        ),
+        _key(f"{KV_OFFLOAD}:OffloadingEvent", "fields"): Handled(
+            "keys, medium, removed, locality=None, ownership=None, removal_expected=False, metadata_only=False",
+            "events.TierEvents builds it by keyword and leaves metadata_only False: every event it emits is a "
+            "block that became loadable or stopped being loadable, never a release of vLLM's event metadata alone",
         ),
         _key(f"{KV_OFFLOAD}:OffloadingManager.lock", "signature"): Handled(
             "@property (self)", "vllm_api.manager_lock(manager) enters it on 0.33, a null context on 0.32"
