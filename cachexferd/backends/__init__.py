@@ -1,6 +1,6 @@
 """Copy backends, selected by name and imported lazily.
 
-The cpu path never imports cachexferd.backends.cuda (nor anything CUDA-only).
+The cpu path never imports the cachexferd.backends.cuda package (nor anything CUDA-only).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from ..config import Config
     from .base import Backend
 
-_MODULES = {"cpu": "cachexferd.backends.cpu", "cuda": "cachexferd.backends.cuda"}
+_MODULES = {"cpu": "cachexferd.backends.cpu", "cuda": "cachexferd.backends.cuda.backend"}
 
 
 def resolve_name(name: str) -> str:

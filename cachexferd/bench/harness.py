@@ -90,8 +90,8 @@ def _cuda_kit(layout: KVLayout, host_blocks: int) -> Kit:
     import torch
 
     from ..backends import load_backend
-    from ..backends.cuda import CudaBackend
-    from ..backends.cuda_pool import PinnedHostPool
+    from ..backends.cuda.backend import CudaBackend
+    from ..backends.cuda.pool import PinnedHostPool
     from ..client.cuda_runner import CudaKVCache
     from ..config import load_config
 

@@ -62,7 +62,7 @@ PLACEMENTS = {"one_buffer": (True, 2), "per_tensor": (False, 2), "kv_page": (Tru
 
 @pytest.fixture(scope="module", params=METHODS)
 def local_backend(request: pytest.FixtureRequest) -> Iterator[Any]:
-    from cachexferd.backends.cuda import CudaBackend
+    from cachexferd.backends.cuda.backend import CudaBackend
     from cachexferd.config import load_config
 
     config = load_config(overrides={"cuda.copy_method": request.param, "cuda.pin_chunk": "8MiB"}, environ={})

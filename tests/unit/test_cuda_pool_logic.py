@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cachexferd.backends.cpu import CpuBackend
-from cachexferd.backends.cuda_pool import (
+from cachexferd.backends.cuda.pool import (
     PAGE,
     ChunkPinner,
     PinnedHostPool,

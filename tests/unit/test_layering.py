@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, int]] = [
     ("cachexferd.config", 0),
     ("cachexferd.security", 0),
     ("cachexferd.host_cache", 0),
+    ("cachexferd.cuda_tensors", 0),
     ("cachexferd.client", 1),
     ("cachexferd.index", 1),
     ("cachexferd.backends", 1),
@@ -106,6 +107,26 @@ def test_integrations_are_imported_by_nothing_else() -> None:
         if target.startswith("cachexferd.integrations")
     ]
     assert outside == []
+
+
+def test_backends_never_import_the_client() -> None:
+    """What the runner side and the cuda backend both need (a tensor list's fit to a layout,
+    a device's UUID) lives in a shared module below both."""
+    modules = {module_name(p): imports(p) for p in (PACKAGE / "backends").rglob("*.py")}
+    assert len(modules) > 10 and backend_client_imports(modules) == []
+    assert backend_client_imports({"cachexferd.backends.cuda.probe": {"cachexferd.client.cuda_runner"}}) == [
+        "cachexferd.backends.cuda.probe imports cachexferd.client.cuda_runner"
+    ], "the rule can fail"
+
+
+def backend_client_imports(modules: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{name} imports {target}"
+        for name, targets in sorted(modules.items())
+        if name.startswith("cachexferd.backends")
+        for target in sorted(targets)
+        if target.startswith("cachexferd.client")
+    ]
 
 
 def test_start_up_checks_use_only_shared_modules() -> None:

@@ -1,12 +1,20 @@
 """The piece kernel: one Triton launch moves many pieces (one block of one tensor each) of
 all layers between device blocks and a block-major linear side — the pinned host pool
-(zero-copy, through unified addressing) or a device staging buffer. cuda_pieces.py plans
-the launch; this module compiles and runs it.
+(zero-copy, through unified addressing) or a device staging buffer. cuda/pieces.py plans
+the launches; this module compiles and launches them.
 
 Triton is imported only here, only when the cuda backend loads the kernel (``load``), and
-it is optional: without it the backend keeps its other methods (a log line says so). The
-kernel also runs under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors standing
-in for device and pinned memory, which is how the tests check its bytes without a GPU.
+it is optional: without it the backend keeps DMA (a log line says so). The kernel also runs
+under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU memory standing in for device and
+pinned memory (fake.interpreted_launcher), which is how the tests check its bytes without a
+GPU.
+
+Launching: ``KernelRunners.prepare`` compiles each variant an attach needs and keeps
+Triton's compiled kernel; a launch then calls it directly with integer addresses and an
+explicit stream, without Triton's Python dispatch (argument binding, specialisation key,
+cache lookup, a driver query per pointer). That entry point is not a stable Triton API, so
+``prepare`` first checks it on scratch memory against known bytes; where it fails, launches
+go through Triton's usual dispatch instead, and ``describe()`` says which.
 
 Why these choices: each program of a small persistent grid walks its share of the pieces
 (the grid competes with the model for SMs; writes to the host fill the link with about 8
@@ -19,14 +27,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from .cuda_copy import StagingBatch
-from .cuda_pieces import KernelArgs, PieceGeometry, kernel_args
+from .driver import DriverError, KernelLaunch
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +94,7 @@ def load() -> Any | None:
             except Exception as exc:  # ImportError, or a Triton that cannot build for this torch
                 _cache[interpreted] = f"{type(exc).__name__}: {exc}"
                 log.warning(
-                    "Triton is not usable (%s): the cuda backend copies with DMA and torch staging only "
-                    "(cuda.copy_method 'kernel' falls back to 'staging')", _cache[interpreted],
+                    "Triton is not usable (%s): the cuda backend copies with DMA only", _cache[interpreted]
                 )  # fmt: skip
         kernel = _cache[interpreted]
     return None if isinstance(kernel, str) else kernel
@@ -103,120 +106,133 @@ def unavailable_reason() -> str | None:
     return reason if isinstance(reason, str) else None
 
 
-def launch(kernel: Any, table: torch.Tensor, ids: torch.Tensor, args: KernelArgs) -> None:
-    """Enqueues one launch on the current stream (``ids``: ``args.ids`` on the device)."""
-    import triton.language as tl
+class _Pointer:
+    """An address as Triton's dispatch takes a pointer argument (the fallback path)."""
 
-    kernel[(args.programs,)](
-        table, ids, args.pairs, args.programs, args.num_tensors, args.chunk_words, args.block_stride_words,
-        args.linear_stride_words, TO_LINEAR=args.to_linear, WORD=getattr(tl, _WORD_DTYPES[args.word_bytes]),
-        BLOCK=args.block, num_warps=args.warps,
-    )  # fmt: skip
+    def __init__(self, address: int, dtype: Any) -> None:
+        self.address, self.dtype = address, dtype
 
-
-@dataclass(frozen=True)
-class Grid:
-    """Programs per launch (settings cuda.kernel_programs_d2h / _h2d)."""
-
-    to_host: int = 8
-    to_device: int = 32
-
-    @property
-    def staging(self) -> int:
-        """Gathers and scatters stay on the device: the larger grid, still small."""
-        return max(self.to_host, self.to_device)
+    def data_ptr(self) -> int:
+        return self.address
 
 
-class PieceMover:
-    """The kernel over one attached cache: zero-copy swaps and staged ones.
+Runner = Callable[[int, int, int, int], None]  # (ids address, pairs, programs, stream)
 
-    Runs on a lane's issuer thread with the lane's stream current: the id uploads and the
-    staging buffers come from torch's caching allocators on that stream, so their memory is
-    reused only by later work on the same stream (stream order), as in cuda_stage.py."""
 
-    def __init__(
-        self,
-        kernel: Any,
-        geo: PieceGeometry,
-        host: torch.Tensor,
-        host_block_bytes: int,
-        device: torch.device,
-        grid: Grid,
-    ) -> None:
-        """``host``: the pool's flat uint8 tensor (pinned; on CPU in tests)."""
-        self.kernel, self.geo, self.grid, self.device = kernel, geo, grid, device
-        self.host, self.host_block_bytes = host, host_block_bytes
-        self.table = self._upload(list(geo.tensor_addrs))
-        self._settle()  # the lanes' streams read the table: it must be there before their first launch
-        self.launches = 0
-        self.word_bytes = 0  # of the last launch (for tests and describe)
+class KernelRunners:
+    """The compiled variants of one device's attaches, each with the way it is launched."""
 
-    def _upload(self, values: Sequence[int]) -> torch.Tensor:
-        ids = torch.tensor(values, dtype=torch.int64)
-        if self.device.type != "cuda":
-            return ids  # the interpreter reads CPU tensors
-        # From pinned memory: a pageable upload would synchronise the stream first.
-        return ids.pin_memory().to(self.device, non_blocking=True)
+    def __init__(self, kernel: Any, device_index: int) -> None:
+        self.kernel, self.device_index = kernel, device_index
+        self.runners: dict[KernelLaunch, Runner] = {}
+        self.paths: dict[str, int] = {"compiled": 0, "dispatch": 0}
 
-    def _settle(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+    def prepare(self, launch: KernelLaunch) -> None:
+        if launch in self.runners:
+            return
+        try:
+            runner, path = self._checked_runner(launch)
+        except Exception as exc:  # Triton cannot compile or run it here
+            raise DriverError(f"the copy kernel failed its check: {type(exc).__name__}: {exc}") from None
+        self.runners[launch] = runner
+        self.paths[path] += 1
 
-    def warm_up(self) -> None:
-        """Compiles the kernel's variants for this cache and runs it once, reading device
-        block 0 into a scratch row (nothing of the runner's is written; the swap-in variant
-        runs on no pieces): a Triton that cannot compile or run here (no compiler, an
-        unwritable cache directory) fails now, at attach, and not at the first swaps."""
-        scratch = self._staging(1)
-        self._run(kernel_args(self.geo, True, [0], scratch.data_ptr(), [0], self.host_block_bytes, 1))
-        for to_linear in (True, False):
-            for base in (self.host.data_ptr(), scratch.data_ptr()):
-                self._run(kernel_args(self.geo, to_linear, [], base, [], self.host_block_bytes, 1))
-        self._settle()
-        self.launches = 0
+    def launch(self, launch: KernelLaunch, ids: int, pairs: int, programs: int, stream: int) -> None:
+        try:
+            self.runners[launch](ids, pairs, programs, stream)
+        except Exception as exc:
+            raise DriverError(f"copy kernel launch failed: {type(exc).__name__}: {exc}") from None
 
-    def _run(self, args: KernelArgs) -> None:
-        launch(self.kernel, self.table, self._upload(args.ids), args)
-        self.launches += 1
-        self.word_bytes = args.word_bytes
+    def _constants(self, launch: KernelLaunch) -> tuple[Any, ...]:
+        import triton.language as tl
 
-    def direct(self, to_host: bool, device_ids: Sequence[int], host_ids: Sequence[int]) -> None:
-        """Zero-copy: pieces straight between device blocks and the pinned pool."""
-        programs = self.grid.to_host if to_host else self.grid.to_device
-        base, stride = self.host.data_ptr(), self.host_block_bytes
-        self._run(kernel_args(self.geo, to_host, device_ids, base, host_ids, stride, programs))
+        word = getattr(tl, _WORD_DTYPES[launch.word_bytes])
+        return (launch.tensors, launch.chunk_words, launch.block_stride_words, launch.linear_stride_words,
+                launch.to_linear, word, launch.block)  # fmt: skip
 
-    def _staging(self, rows: int) -> torch.Tensor:
-        return torch.empty((rows, self.host_block_bytes), dtype=torch.uint8, device=self.device)
+    def _checked_runner(self, launch: KernelLaunch) -> tuple[Runner, str]:
+        """Compiles through Triton's dispatch on scratch memory, then tries the compiled
+        kernel's direct entry on the same scratch; (runner, path) of the first that moves
+        the right bytes. Both checks use the scratch's table: no runner memory is touched."""
+        import torch
 
-    def _host_rows(self, host_block: int, count: int) -> torch.Tensor:
-        start = host_block * self.host_block_bytes
-        return self.host[start : start + count * self.host_block_bytes].view(count, self.host_block_bytes)
+        scratch = _Scratch(launch, torch.device("cuda", self.device_index))
+        stream = torch.cuda.current_stream(scratch.device).cuda_stream
+        compiled = self._dispatch(launch, scratch.table_address)(scratch.ids, 1, 1, stream)
+        if not scratch.moved_right():
+            raise DriverError("wrong bytes through Triton's dispatch")
+        try:
+            scratch.reset()
+            self._direct(launch, compiled, scratch.table_address)(scratch.ids, 1, 1, stream)
+            if scratch.moved_right():
+                return self._direct(launch, compiled, launch.table), "compiled"
+            log.warning("the compiled copy kernel moved wrong bytes when launched directly: using Triton's dispatch")
+        except Exception as exc:
+            log.warning("launching the compiled copy kernel directly failed (%s): using Triton's dispatch", exc)
+        return self._dispatch(launch, launch.table), "dispatch"
 
-    def gather(self, batch: StagingBatch) -> None:
-        """Swap-out through the copy engines: one launch gathers the blocks into a device
-        buffer of host-block rows, then one plain copy per host run."""
-        staging = self._staging(len(batch.device_ids))
-        rows = list(range(len(batch.device_ids)))
-        args = kernel_args(
-            self.geo, True, batch.device_ids, staging.data_ptr(), rows, self.host_block_bytes, self.grid.staging
-        )
-        self._run(args)
-        for run in batch.host_runs:
-            self._host_rows(run.host, run.length).copy_(
-                staging[run.device : run.device + run.length], non_blocking=True
-            )
+    def _direct(self, launch: KernelLaunch, compiled: Any, table: int) -> Runner:
+        constants = self._constants(launch)
 
-    def scatter(self, batch: StagingBatch) -> None:
-        """Swap-in through the copy engines: one plain copy per host run into a device buffer,
-        then one launch scatters its pieces to the device blocks."""
-        staging = self._staging(len(batch.device_ids))
-        for run in batch.host_runs:
-            staging[run.device : run.device + run.length].copy_(
-                self._host_rows(run.host, run.length), non_blocking=True
-            )
-        rows = list(range(len(batch.device_ids)))
-        args = kernel_args(
-            self.geo, False, batch.device_ids, staging.data_ptr(), rows, self.host_block_bytes, self.grid.staging
-        )
-        self._run(args)
+        def run(ids: int, pairs: int, programs: int, stream: int) -> None:
+            compiled[(programs, 1, 1)](table, ids, pairs, programs, *constants, stream=stream)
+
+        return run
+
+    def _dispatch(self, launch: KernelLaunch, table_address: int) -> Callable[..., Any]:
+        import torch
+
+        kernel, (tensors, chunk, block_stride, linear_stride, to_linear, word, block) = (
+            self.kernel, self._constants(launch)
+        )  # fmt: skip
+        table = _Pointer(table_address, torch.int64)
+        streams: dict[int, Any] = {}
+
+        def run(ids: int, pairs: int, programs: int, stream: int) -> Any:
+            if stream not in streams:
+                streams[stream] = torch.cuda.ExternalStream(stream, device=torch.device("cuda", self.device_index))
+            with torch.cuda.stream(streams[stream]):
+                return kernel[(programs,)](
+                    table, _Pointer(ids, torch.int64), pairs, programs, tensors, chunk, block_stride, linear_stride,
+                    TO_LINEAR=to_linear, WORD=word, BLOCK=block, num_warps=launch.warps,
+                )  # fmt: skip
+
+        return run
+
+    def describe(self) -> dict[str, Any]:
+        return {"variants": len(self.runners), **self.paths}
+
+
+class _Scratch:
+    """Block 0 of ``launch.tensors`` scratch pieces and one linear row, on the device: a
+    variant's check moves the row between them and compares bytes, touching no runner
+    memory (the variant's table is replaced by the scratch's own)."""
+
+    def __init__(self, launch: KernelLaunch, device: Any) -> None:
+        import torch
+
+        self.launch, self.device = launch, device
+        size = launch.tensors * launch.piece_bytes
+        self.pieces = torch.empty(size, dtype=torch.uint8, device=device)
+        self.row = torch.empty(size, dtype=torch.uint8, device=device)
+        addrs = [self.pieces.data_ptr() + t * launch.piece_bytes for t in range(launch.tensors)]
+        self.table = torch.tensor(addrs, dtype=torch.int64, device=device)
+        self.table_address = self.table.data_ptr()
+        self.ids_tensor = torch.tensor([self.row.data_ptr(), 0, 0], dtype=torch.int64, device=device)
+        self.ids = self.ids_tensor.data_ptr()
+        self.reset()
+
+    def reset(self) -> None:
+        import torch
+
+        gen = torch.Generator(device="cpu").manual_seed(7)
+        source, target = (self.pieces, self.row) if self.launch.to_linear else (self.row, self.pieces)
+        source.copy_(torch.randint(0, 256, tuple(source.shape), dtype=torch.uint8, generator=gen))
+        target.zero_()
+        torch.cuda.synchronize(self.device)
+
+    def moved_right(self) -> bool:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        return bool(torch.equal(self.pieces, self.row))
