@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..protocol import KVLayout
 from ..cuda_tensors import check_runner_tensors, device_uuid
+from ..protocol import KVLayout
 from ..protocol.cuda_ipc import SharedStorage, TensorRef, encode_device
 from .runner import KVTensors, torch_dtype
 

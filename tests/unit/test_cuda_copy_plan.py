@@ -10,7 +10,6 @@ from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
-
 import pytest
 import torch
 
@@ -31,7 +30,7 @@ from cachexferd.backends.cuda.copy_plan import (
 )
 from cachexferd.backends.cuda.driver import Copy2D
 from cachexferd.backends.plan import Run, coalesce, even_groups
-from cachexferd.protocol import DTYPE_BYTES, KVLayout
+from cachexferd.protocol import KVLayout
 
 LAYOUT = KVLayout(num_layers=3, num_blocks=24, block_size=2, num_kv_heads=2, head_dim=8, dtype="float16")
 HOST_BLOCKS = 40

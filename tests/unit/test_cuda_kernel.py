@@ -6,12 +6,11 @@ and through a staging buffer."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import random
 from collections.abc import Iterator
 from typing import Any
-
-import asyncio
 
 import pytest
 import torch
@@ -45,8 +44,8 @@ def geometry(tensors: int = 6, chunk: int = 256, base: int = 1 << 40) -> PieceGe
 def test_kernel_launch_picks_the_widest_word() -> None:
     geo = geometry()
     launch = kernel_launch(geo, table=1 << 30, to_linear=True, linear_bases=[1 << 36], linear_stride=6 * 256)
-    assert (launch.word_bytes, launch.chunk_words, launch.block_stride_words, launch.linear_stride_words) == (8, 32, 32,
-                                                                                                             192)  # fmt: skip
+    words = (launch.word_bytes, launch.chunk_words, launch.block_stride_words, launch.linear_stride_words)
+    assert words == (8, 32, 32, 192)
     assert launch.to_linear and launch.tensors == 6 and launch.piece_bytes == 256
     odd = PieceGeometry((1 << 40, (1 << 40) + 999), 333, 333)
     assert kernel_launch(odd, 0, False, [0], 666).word_bytes == 1

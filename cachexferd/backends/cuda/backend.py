@@ -35,8 +35,16 @@ from ..base import AttachError, Backend, DeviceCache
 from . import kernel
 from .cudart import CudaDriver
 from .device_cache import CopySettings, CudaDeviceCache
-from .ipc import DeviceTensor, ImportWatch, TorchStorageOps, decode_handles, from_tensors, import_handles
-from .ipc import resolve_device, visible_uuids
+from .ipc import (
+    DeviceTensor,
+    ImportWatch,
+    TorchStorageOps,
+    decode_handles,
+    from_tensors,
+    import_handles,
+    resolve_device,
+    visible_uuids,
+)
 from .memcpy import Memcpy, load_memcpy
 from .pool import CudartRegistrar, PinnedHostPool, pci_numa_node
 
@@ -99,7 +107,9 @@ class CudaBackend(Backend):
     def create_host_pool(self, capacity: int) -> HostPool:
         node = self._numa_node()
         workers = min(8, os.cpu_count() or 1)
-        pool = PinnedHostPool(capacity, CudartRegistrar(self.device_index), self.config.pin_chunk, node, workers=workers)
+        pool = PinnedHostPool(
+            capacity, CudartRegistrar(self.device_index), self.config.pin_chunk, node, workers=workers
+        )
         self.pools.append(pool)
         return pool
 

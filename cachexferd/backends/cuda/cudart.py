@@ -143,8 +143,9 @@ class CudaDriver:
         src.words[:] = np.arange(512, dtype=np.uint64)
         try:
             for to, frm in ((dst.address, src.address), (back.address, dst.address)):
-                addrs = np.array([to, to + 2048]), np.array([frm, frm + 2048]), np.array([2048, 2048])
-                self.memcpy_batch_async(*(a.astype(np.uint64) for a in addrs), 2, stream)
+                dsts = np.array([to, to + 2048], dtype=np.uint64)
+                srcs = np.array([frm, frm + 2048], dtype=np.uint64)
+                self.memcpy_batch_async(dsts, srcs, np.array([2048, 2048], dtype=np.uint64), 2, stream)
             self.synchronize(stream)
         except DriverError:
             return False
@@ -173,9 +174,11 @@ class CudaDriver:
         self._check(self._host_alloc(ctypes.byref(ptr), size, _HOST_ALLOC_PORTABLE | _HOST_ALLOC_MAPPED),
                     "cudaHostAlloc")  # fmt: skip
         self._check(self._host_device_pointer(ctypes.byref(dptr), ptr, 0), "cudaHostGetDevicePointer")
-        words = np.frombuffer((ctypes.c_uint64 * (size // 8)).from_address(int(ptr.value or 0)), dtype=np.uint64)
+        words: np.ndarray[Any, Any] = np.ctypeslib.as_array(
+            (ctypes.c_uint64 * (size // 8)).from_address(ptr.value or 0)
+        )
         words[:] = 0
-        return HostBuffer(words, int(ptr.value or 0), int(dptr.value or 0))
+        return HostBuffer(words, address, int(dptr.value or 0))
 
     def device_buffer(self, nbytes: int) -> DeviceBuffer:
         """From torch's caching allocator, so a detach gives the memory back to it."""

@@ -8,6 +8,7 @@ tensors), which is how the tests drive it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -108,7 +109,9 @@ class CudaDeviceCache(DeviceCache):
         methods: dict[str, CopyMethod] = {}
         programs = s.programs_d2h if to_host else s.programs_h2d
         if self.engines.kernel:
-            methods["kernel"] = ZeroCopy(driver, memory, self.launches[direction, "kernel"], self.pool.address, programs)
+            methods["kernel"] = ZeroCopy(
+                driver, memory, self.launches[direction, "kernel"], self.pool.address, programs
+            )
         if self.engines.staging:
             launch = self.launches[direction, "staging"]
             programs = max(s.programs_d2h, s.programs_h2d)  # device-to-device: the larger grid, still small
@@ -153,14 +156,13 @@ class CudaDeviceCache(DeviceCache):
         return await self.lanes[direction].submit(requests)
 
     def close(self) -> None:
-        busy = [lane for lane in self.lanes.values() if lane.in_flight]
-        if busy:
-            # The daemon drains swaps before close(); if one is still running, its copies
-            # must finish before the memory goes back, even at the price of a wait here.
-            log.error("closing the device cache with copies in flight: waiting for them")
-            for lane in busy:
-                if not lane.wait_idle(self.settings.stall_s):
-                    log.error("the %s copies did not finish; closing anyway", lane.direction.value)
+        """Releases the attach. Runs off the loop in the daemon (after its drain), on the
+        loop in tests: either way, units still in flight are waited for first."""
+        for lane in self.lanes.values():
+            lane.closed = True
+            if lane.in_flight and not lane.wait_idle(self.settings.stall_s):
+                log.error("closing the device cache with %s copies still running", lane.direction.value)
+            self._settle_later(lane)
         self.watcher.close()
         for lane in self.lanes.values():
             for stream in lane.streams:
@@ -171,6 +173,20 @@ class CudaDeviceCache(DeviceCache):
         self.launches = {}
         if self._on_close is not None:
             self._on_close()
+
+    @staticmethod
+    def _settle_later(lane: Lane) -> None:
+        loop = lane.loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            loop.call_soon(lane.finish_closed)
+        else:
+            loop.call_soon_threadsafe(lane.finish_closed)
 
     def describe(self) -> dict[str, Any]:
         engines = [name for name in ("kernel", "staging", "dma") if getattr(self.engines, name)]

@@ -36,8 +36,9 @@ Op = tuple[float, Callable[[], None]]  # (seconds of simulated link time, effect
 Launcher = Callable[[KernelLaunch, int, int, int], None]  # (launch, ids address, pairs, programs)
 
 
-def _words(address: int, count: int) -> np.ndarray[Any, np.dtype[np.int64]]:
-    return np.frombuffer((ctypes.c_int64 * count).from_address(address), dtype=np.int64)
+def _words(address: int, count: int) -> np.ndarray[Any, Any]:
+    words: np.ndarray[Any, Any] = np.ctypeslib.as_array((ctypes.c_int64 * count).from_address(address))
+    return words
 
 
 def python_launcher(launch: KernelLaunch, ids: int, pairs: int, programs: int) -> None:
@@ -110,7 +111,8 @@ class _Stream:
                     return
                 seconds, effect = self.ops.popleft()
             _pass(seconds)
-            effect()
+            if not driver.broken:  # a faulted device runs nothing more
+                effect()
 
     def drain(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -216,10 +218,12 @@ class FakeDriver:
 
     def host_buffer(self, nbytes: int) -> HostBuffer:
         words = np.zeros(-(-nbytes // 8), dtype=np.uint64)
+        self._keep.append(words)  # freed with the driver: a device thread may still use it
         return HostBuffer(words, words.ctypes.data, words.ctypes.data, words)
 
     def device_buffer(self, nbytes: int) -> DeviceBuffer:
         data = np.zeros(max(1, nbytes), dtype=np.uint8)
+        self._keep.append(data)
         return DeviceBuffer(data.ctypes.data, nbytes, data)
 
     def new_event(self) -> int:
@@ -242,7 +246,11 @@ class FakeDriver:
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self._call("memcpy_async")
-        self._put(stream, nbytes, lambda: ctypes.memmove(dst, src, nbytes))
+
+        def copy() -> None:
+            ctypes.memmove(dst, src, nbytes)
+
+        self._put(stream, nbytes, copy)
 
     def memcpy2d_async(self, copy: Copy2D, stream: int) -> None:
         self._call("memcpy2d_async")

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ...protocol import ProtocolError
+from ...protocol import ErrorCode, ProtocolError
 from ..base import Direction, SwapRequest
 from .driver import Driver, DriverError, HostBuffer
 from .methods import CopyMethod, LaneMemory, MethodChooser
@@ -94,7 +94,7 @@ class Unit:
 
 
 class StreamState:
-    __slots__ = ("address", "fifo", "handle", "index", "last_due_ns", "last_done_ns", "seq", "watched")
+    __slots__ = ("address", "fifo", "handle", "index", "last_done_ns", "last_due_ns", "seq", "watched")
 
     def __init__(self, index: int, handle: int, address: int) -> None:
         self.index, self.handle, self.address = index, handle, address
@@ -123,6 +123,7 @@ class Lane:
         self.other: Lane | None = None  # the other direction (duplex rule)
         self.in_flight = 0
         self.broken: BaseException | None = None
+        self.closed = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._next_stream = 0
         self._poll_scheduled = False
@@ -141,14 +142,13 @@ class Lane:
     def submit(self, requests: Sequence[SwapRequest]) -> asyncio.Future[Results]:
         """Issues what it can now; the future resolves, on this loop, with one result per
         command once every unit of the batch has finished."""
-        loop = self.loop
-        if loop is None:
-            loop = self.loop = asyncio.get_running_loop()
-            self.driver.bind_thread()
+        loop = asyncio.get_running_loop()
+        if loop is not self.loop:
+            self._adopt(loop)
         future: asyncio.Future[Results] = loop.create_future()
         batch = Batch(requests, future)
-        if self.broken is not None:
-            batch.fail(range(len(requests)), self.broken)
+        if self.broken is not None or self.closed:
+            batch.fail(range(len(requests)), self.broken or _closed())
             future.set_result(batch.results)
             return future
         self.waiting.append(batch)
@@ -156,8 +156,20 @@ class Lane:
         self._arm(time.perf_counter_ns())
         return future
 
+    def _adopt(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The loop this lane settles on (a daemon has one; tests and benchmarks may run
+        one after another, never two at once)."""
+        if self.busy:
+            raise RuntimeError("a cuda lane is busy on another event loop")
+        self.loop = loop
+        self._poll_scheduled = False
+        self._stall_timer = None
+        self.driver.bind_thread()
+
     def _pump(self) -> None:
         """Issues units while slots are free, one batch after another in turn."""
+        if self.closed:
+            return
         waiting = self.waiting
         while waiting and self.free_slots:
             batch = waiting.popleft()
@@ -366,15 +378,18 @@ class Lane:
         late = [s.fifo[0] for s in self.streams if s.fifo and now > s.fifo[0].due_ns + self.settings.stall_ns]
         if late:
             seconds = (now - late[0].issued_ns) / 1e9
-            self._fail_lane(DriverError(f"the GPU has not finished a {self.direction.value} copy after {seconds:.1f} s"))
+            self._fail_lane(
+                DriverError(f"the GPU has not finished a {self.direction.value} copy after {seconds:.1f} s")
+            )
         elif self.in_flight:
             self._arm_stall_timer()
 
-    def _fail_lane(self, error: BaseException, extra: Unit | None = None) -> None:
+    def _fail_lane(self, error: BaseException, extra: Unit | None = None, quiet: bool = False) -> None:
         """A driver error: every command with work in flight or waiting fails, and so does
         every later one (the GPU may still write to the rings: nothing is reused)."""
         if self.broken is None:
-            log.error("cuda %s lane failed: %s", self.direction.value, error)
+            if not quiet:
+                log.error("cuda %s lane failed: %s", self.direction.value, error)
             self.broken = error
         units = [u for s in self.streams for u in s.fifo] + ([extra] if extra is not None else [])
         for stream in self.streams:
@@ -411,15 +426,24 @@ class Lane:
                 "broken": None if self.broken is None else str(self.broken)}  # fmt: skip
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """Blocks until no unit is in flight (close, after a failed drain): polls the
-        doorbells directly, since the loop may not run meanwhile."""
+        """Blocks until every unit issued has passed its doorbell (close, when a drain did
+        not end in time). Reads only: the loop settles them (``finish_closed``)."""
         deadline = time.monotonic() + timeout_s
-        while self.in_flight and self.broken is None and time.monotonic() < deadline:
-            for stream in self.streams:
-                seen = int(self.doorbells[stream.index * _DOORBELL_STRIDE])
-                while stream.fifo and stream.fifo[0].seq <= seen:
-                    stream.fifo.popleft()
-                    self.in_flight -= 1
+        while not all(int(self.doorbells[s.index * _DOORBELL_STRIDE]) >= s.seq for s in self.streams):
+            if time.monotonic() > deadline:
+                return False
             time.sleep(0.001)
-        return not self.in_flight
+        return True
 
+    def finish_closed(self) -> None:
+        """On the loop, after close: settles what finished, fails what never will run."""
+        self.closed = True
+        if self.loop is None:
+            return
+        self.poll()
+        if self.busy:
+            self._fail_lane(_closed(), quiet=True)
+
+
+def _closed() -> ProtocolError:
+    return ProtocolError(ErrorCode.DETACHED, "the device cache was closed")

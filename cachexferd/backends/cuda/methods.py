@@ -186,4 +186,3 @@ class MethodChooser:
         shape = SwapShape(len(dev) * self.geo.host_block_bytes, calls_for_lengths(lengths, self.geo),
                           rows_for_lengths(lengths, self.geo))  # fmt: skip
         return choose_method(self.setting, shape, self.engines, self.rule, other_busy)
-
