@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 _H2D, _D2H, _DEFAULT = 1, 2, 4  # cudaMemcpyKind
 _STREAM_NON_BLOCKING = 1
 _EVENT_BLOCKING_SYNC, _EVENT_NO_TIMING = 1, 2
-_HOST_ALLOC_PORTABLE, _HOST_ALLOC_MAPPED = 1, 2
 _ACCESS_ORDER_STREAM = 1
 _DOORBELL_VALUES = 256  # pinned source words of the doorbell fallback (far more than units in flight)
 
@@ -85,9 +84,7 @@ class CudaDriver:
         self._event_record = _bind(rt, "cudaEventRecord", [vp, vp])
         self._event_sync = _bind(rt, "cudaEventSynchronize", [vp])
         self._event_destroy = _bind(rt, "cudaEventDestroy", [vp])
-        self._host_alloc = _bind(rt, "cudaHostAlloc", [pv, sz, ctypes.c_uint])
         self._host_device_pointer = _bind(rt, "cudaHostGetDevicePointer", [pv, vp, ctypes.c_uint])
-        self._malloc = _bind(rt, "cudaMalloc", [pv, sz])
         self._error_string = rt.cudaGetErrorString
         self._error_string.argtypes, self._error_string.restype = [i], ctypes.c_char_p
 
@@ -167,18 +164,15 @@ class CudaDriver:
         return int(handle.value or 0)
 
     def host_buffer(self, nbytes: int) -> HostBuffer:
-        """Pinned, mapped, never freed before the process ends (rings are small and made per
-        attach; freeing pinned memory synchronises the whole device)."""
-        ptr, dptr = ctypes.c_void_p(), ctypes.c_void_p()
+        """Pinned (torch's host allocator: a detach gives it back for the next attach), with
+        the address the GPU uses for it (the same one under unified addressing)."""
+        import torch
+
         size = -(-nbytes // 8) * 8
-        self._check(self._host_alloc(ctypes.byref(ptr), size, _HOST_ALLOC_PORTABLE | _HOST_ALLOC_MAPPED),
-                    "cudaHostAlloc")  # fmt: skip
-        self._check(self._host_device_pointer(ctypes.byref(dptr), ptr, 0), "cudaHostGetDevicePointer")
-        words: np.ndarray[Any, Any] = np.ctypeslib.as_array(
-            (ctypes.c_uint64 * (size // 8)).from_address(ptr.value or 0)
-        )
-        words[:] = 0
-        return HostBuffer(words, address, int(dptr.value or 0))
+        tensor = torch.zeros(size // 8, dtype=torch.int64, pin_memory=True)
+        dptr = ctypes.c_void_p()
+        self._check(self._host_device_pointer(ctypes.byref(dptr), tensor.data_ptr(), 0), "cudaHostGetDevicePointer")
+        return HostBuffer(tensor.numpy().view(np.uint64), tensor.data_ptr(), int(dptr.value or 0), tensor)
 
     def device_buffer(self, nbytes: int) -> DeviceBuffer:
         """From torch's caching allocator, so a detach gives the memory back to it."""
