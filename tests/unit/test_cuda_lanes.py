@@ -147,14 +147,14 @@ def test_ring_slots_are_reused_only_after_their_doorbell(rigs: list[Rig], monkey
     rig = make(rigs, ring_slots=3)
     lane = rig.cache.lanes[Direction.D2H]
     most = 0
-    track = lane._track
+    issue = lane._issue
 
-    def counting(unit: Any, stream: Any) -> None:
+    def counting(unit: Any, nbytes: int) -> None:
         nonlocal most
-        track(unit, stream)
+        issue(unit, nbytes)
         most = max(most, lane.in_flight)
 
-    monkeypatch.setattr(lane, "_track", counting)
+    monkeypatch.setattr(lane, "_issue", counting)
     rng = random.Random(3)
     dev, host = rng.sample(range(LAYOUT.num_blocks), 40), rng.sample(range(HOST_BLOCKS), 40)
 

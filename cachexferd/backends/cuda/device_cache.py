@@ -21,7 +21,7 @@ from ...protocol import KVLayout
 from ..base import AttachError, CancelToken, DeviceCache, Direction, SwapRequest
 from .copy_plan import DmaGeometry, Engines, MethodRule
 from .driver import Driver, DriverError, KernelLaunch
-from .lanes import Lane, LaneSettings
+from .lanes import STAGES, Lane, LaneSettings
 from .methods import CopyMethod, Dma, LaneMemory, MethodChooser, RingShape, Staged, ZeroCopy
 from .pieces import PieceGeometry, kernel_launch
 from .threads import Watcher
@@ -79,8 +79,8 @@ class CudaDeviceCache(DeviceCache):
         self.watcher = Watcher(driver)
         lane_settings = LaneSettings(unit_blocks, spin_ns=settings.spin_us * 1000, stall_ns=int(settings.stall_s * 1e9))
         self.lanes = {d: self._lane(d, lane_settings) for d in Direction}
-        self.lanes[Direction.D2H].other = self.lanes[Direction.H2D]
-        self.lanes[Direction.H2D].other = self.lanes[Direction.D2H]
+        self._d2h, self._h2d = self.lanes[Direction.D2H], self.lanes[Direction.H2D]  # no enum hashing per swap
+        self._d2h.other, self._h2d.other = self._h2d, self._d2h
 
     def _prepare_kernel(self, staged: bool) -> dict[tuple[Direction, str], KernelLaunch]:
         """The kernel's launches for this attach (zero-copy and staged, each direction),
@@ -153,7 +153,7 @@ class CudaDeviceCache(DeviceCache):
             end = max((max(r.host_ids) + 1 for r in requests if r.host_ids), default=0) * self.layout.host_block_bytes
             if end > pool.ready_bytes:
                 await pool.wait_ready_async(end)  # type: ignore[attr-defined]
-        return await self.lanes[direction].submit(requests)
+        return await (self._d2h if direction is Direction.D2H else self._h2d).submit(requests)
 
     def close(self) -> None:
         """Releases the attach. Runs off the loop in the daemon (after its drain), on the
@@ -187,6 +187,20 @@ class CudaDeviceCache(DeviceCache):
             loop.call_soon(lane.finish_closed)
         else:
             loop.call_soon_threadsafe(lane.finish_closed)
+
+    def reset_stages(self) -> None:
+        for lane in self.lanes.values():
+            lane.stages[:] = 0
+
+    def stage_summary(self) -> dict[str, float]:
+        """Median µs from each stage of a unit to the next, both directions together."""
+        rows = np.concatenate([lane.stages[lane.stages[:, 1] > 0] for lane in self.lanes.values()])
+        if not len(rows):
+            return {}
+        spans = np.diff(rows, axis=1) / 1e3
+        return {
+            f"{STAGES[i]}_to_{STAGES[i + 1]}": round(float(np.median(spans[:, i])), 1) for i in range(len(STAGES) - 1)
+        }
 
     def describe(self) -> dict[str, Any]:
         engines = [name for name in ("kernel", "staging", "dma") if getattr(self.engines, name)]

@@ -168,7 +168,9 @@ class FakeDriver:
         self._events: dict[int, _Event] = {}
         self._ids = itertools.count(1)
         self._fail: dict[str, str] = {}
-        self.calls: collections.Counter[str] = collections.Counter()
+        names = ("upload", "prepare_kernel", "memcpy_async", "memcpy2d_async", "memcpy_batch_async", "launch",
+                 "write_doorbell", "record_event")  # fmt: skip
+        self.calls: dict[str, int] = dict.fromkeys(names, 0)
         self.blocking_calls: list[tuple[str, int]] = []  # (call, thread ident): waits and syncs
         self.prepared: list[KernelLaunch] = []
         self._keep: list[Any] = []
@@ -180,9 +182,10 @@ class FakeDriver:
 
     def _call(self, name: str) -> None:
         self.calls[name] += 1
-        message = self._fail.pop(name, None)
-        if message is not None:
-            raise DriverError(f"{name}: {message}")
+        if self._fail:
+            message = self._fail.pop(name, None)
+            if message is not None:
+                raise DriverError(f"{name}: {message}")
 
     def break_device(self, message: str = "an illegal memory access was encountered") -> None:
         self.break_message = message
@@ -204,7 +207,10 @@ class FakeDriver:
         return self.launch_s + (nbytes / self.rate if self.rate else 0.0)
 
     def _put(self, stream: int, nbytes: int, effect: Callable[[], None]) -> None:
-        self._streams[stream].put(self._seconds(nbytes), effect if self.move_bytes else _nothing)
+        if self.move_bytes:
+            self._streams[stream].put(self._seconds(nbytes), effect)
+        elif not self.inline:  # only the time it takes
+            self._streams[stream].put(self._seconds(nbytes), _nothing)
 
     # Attach time ------------------------------------------------------------------------
 

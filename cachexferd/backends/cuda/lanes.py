@@ -29,7 +29,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,17 +75,22 @@ class Batch:
     def issued_all(self) -> bool:
         return self.cmd >= len(self.requests)
 
-    def fail(self, commands: Sequence[int], error: BaseException) -> None:
+    def fail(self, commands: Iterable[int], error: BaseException) -> None:
         for index in commands:
             if self.results[index] is None:
                 self.results[index] = error
+
+
+_FIRST = (0,)  # the commands of a batch of one
 
 
 class Unit:
     __slots__ = ("batch", "commands", "dev", "due_ns", "error", "host", "issued_ns", "method", "nbytes", "seq", "slot",
                  "staging", "stream")  # fmt: skip
 
-    def __init__(self, batch: Batch, commands: list[int], dev: list[int], host: list[int], method: CopyMethod) -> None:
+    def __init__(
+        self, batch: Batch, commands: Sequence[int], dev: Sequence[int], host: Sequence[int], method: CopyMethod
+    ) -> None:
         self.batch, self.commands, self.dev, self.host, self.method = batch, commands, dev, host, method
         self.nbytes = 0
         self.slot = self.staging = self.seq = self.stream = 0
@@ -113,6 +118,7 @@ class Lane:
         self.direction, self.driver, self.memory, self.methods = direction, driver, memory, methods
         self.chooser, self.watcher, self.settings, self.block_bytes = chooser, watcher, settings, host_block_bytes
         self.doorbells = doorbells.words
+        self._bells = doorbells.words.data  # a plain read per poll, no numpy scalar
         self.streams = [
             StreamState(i, h, doorbells.device_address + i * _DOORBELL_STRIDE * 8) for i, h in enumerate(streams)
         ]
@@ -128,10 +134,13 @@ class Lane:
         self._next_stream = 0
         self._poll_scheduled = False
         self._stall_timer: asyncio.TimerHandle | None = None
-        self._rate = {name: settings.initial_gbps for name in methods}  # GB/s, measured
+        self._rate = {name: settings.initial_gbps for name in methods}  # GB/s (bytes per ns), measured
+        self._ns_per_byte = {name: 1.0 / settings.initial_gbps for name in methods}
         self.stages = np.zeros((_STAGE_ROWS, len(STAGES)), dtype=np.int64)
+        self._stage_words = self.stages.reshape(-1).data
         self.counts = {"units": 0, "bytes": 0, "polls": 0, "watched": 0, "wakes": 0}
         self.by_method = dict.fromkeys(methods, 0)
+        self._early = (chooser.early(False), chooser.early(True))  # fixed per attach, unless None
 
     @property
     def busy(self) -> bool:
@@ -150,10 +159,16 @@ class Lane:
         if self.broken is not None or self.closed:
             batch.fail(range(len(requests)), self.broken or _closed())
             future.set_result(batch.results)
-            return future
-        self.waiting.append(batch)
-        self._pump()
-        self._arm(time.perf_counter_ns())
+        elif self.waiting or not self.free_slots:  # others were first
+            self.waiting.append(batch)
+        else:
+            state = self._issue_next(batch)
+            if state > 0 and not batch.issued_all:
+                self._requeue(batch)
+            elif state < 0:
+                self.waiting.append(batch)
+            elif state == 0:
+                self._maybe_done(batch)
         return future
 
     def _adopt(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -170,47 +185,61 @@ class Lane:
         """Issues units while slots are free, one batch after another in turn."""
         if self.closed:
             return
-        waiting = self.waiting
-        while waiting and self.free_slots:
+        waiting, free = self.waiting, self.free_slots
+        while waiting and free:
             batch = waiting.popleft()
-            unit = self._next_unit(batch)
-            if unit is None:
-                if not batch.issued_all:  # no staging slot now: wait for one
-                    waiting.appendleft(batch)
-                    return
+            state = self._issue_next(batch)
+            if state < 0:  # no staging slot now: wait for one
+                waiting.appendleft(batch)
+                return
+            if state == 0:
                 self._maybe_done(batch)
-                continue
-            self._issue(unit)
-            if batch.issued_all:
-                continue
-            if batch.in_flight < self.settings.lookahead:
-                waiting.append(batch)
-            else:
-                batch.parked = True
+            elif not batch.issued_all:
+                self._requeue(batch)
 
-    def _next_unit(self, batch: Batch) -> Unit | None:
-        """The batch's next unit, its ids taken (cancelled commands skipped), or None when
-        nothing is left or its method needs a staging slot and none is free."""
+    def _requeue(self, batch: Batch) -> None:
+        if batch.in_flight < self.settings.lookahead:
+            self.waiting.append(batch)
+        else:
+            batch.parked = True
+
+    def _issue_next(self, batch: Batch) -> int:
+        """Issues the batch's next unit: 1; or 0 when nothing is left (cancelled commands
+        skipped), -1 when its method needs a staging slot and none is free."""
         other = self.other
-        other_busy = other is not None and other.busy
-        name = self.chooser.early(other_busy)
-        if name is not None and self.methods[name].needs_staging and not self.free_staging:
-            return None
-        dev: list[int] = []
-        host: list[int] = []
-        commands = self._take(batch, dev, host)
-        if not dev:
-            return None
-        if name is None:
-            name = self.chooser.late(dev, host, other_busy)
-            if self.methods[name].needs_staging and not self.free_staging:
-                name = "kernel" if "kernel" in self.methods else "dma"
-        unit = Unit(batch, commands, dev, host, self.methods[name])
-        unit.nbytes = len(dev) * self.block_bytes
+        name = self._early[1 if other is not None and (other.in_flight or other.waiting) else 0]
+        method = self.methods[name] if name is not None else None
+        if method is not None and method.needs_staging and not self.free_staging:
+            return -1
+        requests = batch.requests
+        if batch.cmd == 0 and len(requests) == 1 and len(requests[0][0]) <= self.settings.unit_blocks:
+            dev, host, cancel = requests[0]  # the common case: one command, one unit
+            batch.cmd = 1
+            if cancel.cancelled or not dev:
+                if cancel.cancelled:
+                    batch.fail(_FIRST, ProtocolError(cancel.code, cancel.detail))
+                return 0
+            commands: Sequence[int] = _FIRST
+        else:
+            dev, host = [], []
+            commands = self._take(batch, dev, host)
+            if not dev:
+                return 0
+        if method is None:
+            method = self._late(dev, host)
+        unit = Unit(batch, commands, dev, host, method)
         unit.slot = self.free_slots.pop()
-        if unit.method.needs_staging:
+        if method.needs_staging:
             unit.staging = self.free_staging.pop()
-        return unit
+        self._issue(unit, len(dev) * self.block_bytes)
+        return 1
+
+    def _late(self, dev: Sequence[int], host: Sequence[int]) -> CopyMethod:
+        other = self.other
+        name = self.chooser.late(dev, host, other is not None and other.busy)
+        if self.methods[name].needs_staging and not self.free_staging:
+            name = "kernel" if "kernel" in self.methods else "dma"
+        return self.methods[name]
 
     def _take(self, batch: Batch, dev: list[int], host: list[int]) -> list[int]:
         """Moves up to unit_blocks pairs from the batch's cursor into ``dev`` / ``host``;
@@ -238,11 +267,12 @@ class Lane:
                 batch.cmd, batch.pos = batch.cmd + 1, 0
         return commands
 
-    def _issue(self, unit: Unit) -> None:
-        stream = self.streams[self._next_stream]
-        self._next_stream = (self._next_stream + 1) % len(self.streams)
+    def _issue(self, unit: Unit, nbytes: int) -> None:
+        streams = self.streams
+        stream = streams[self._next_stream]
+        self._next_stream = (stream.index + 1) % len(streams)
         stream.seq += 1
-        unit.seq, unit.stream = stream.seq, stream.index
+        unit.seq, unit.stream, unit.nbytes = stream.seq, stream.index, nbytes
         try:
             unit.method.issue(unit.slot, unit.staging, unit.dev, unit.host, stream.handle)
         except DriverError as exc:  # the unit's commands fail; its slot comes back with the doorbell
@@ -253,17 +283,19 @@ class Lane:
             stream.seq -= 1
             self._fail_lane(exc, extra=unit)
             return
-        self._track(unit, stream)
-
-    def _track(self, unit: Unit, stream: StreamState) -> None:
         now = unit.issued_ns = time.perf_counter_ns()
-        start = max(now + self.settings.launch_ns, stream.last_due_ns)
-        unit.due_ns = stream.last_due_ns = start + int(unit.nbytes / self._rate[unit.method.name])
+        start = now + self.settings.launch_ns
+        if stream.last_due_ns > start:
+            start = stream.last_due_ns
+        unit.due_ns = stream.last_due_ns = start + int(nbytes * self._ns_per_byte[unit.method.name])
         stream.fifo.append(unit)
         unit.batch.in_flight += 1
         self.in_flight += 1
-        if unit.due_ns - now > self.settings.spin_ns:
-            self._watch(stream)
+        if unit.due_ns - now > self.settings.spin_ns and self._watch(stream):
+            return
+        if not self._poll_scheduled:  # spin: read the doorbell next loop iteration
+            self._poll_scheduled = True
+            self.loop.call_soon(self.poll)  # type: ignore[union-attr]
 
     # Completion ---------------------------------------------------------------------------
 
@@ -273,37 +305,43 @@ class Lane:
         self._poll_scheduled = False
         self.counts["polls"] += 1
         now = time.perf_counter_ns()
-        doorbells = self.doorbells
+        bells = self._bells
         for stream in self.streams:
             fifo = stream.fifo
             if not fifo:
                 continue
-            seen = int(doorbells[stream.index * _DOORBELL_STRIDE])
+            seen = bells[stream.index * _DOORBELL_STRIDE]
             while fifo and fifo[0].seq <= seen:
                 self._settle(fifo.popleft(), stream, now)
         if self.broken is None:
-            self._pump()
-            self._arm(now)
+            if self.waiting:
+                self._pump()
+            if self.in_flight:
+                self._arm(now)
 
     def _settle(self, unit: Unit, stream: StreamState, now: int) -> None:
         self.free_slots.append(unit.slot)
         if unit.method.needs_staging:
             self.free_staging.append(unit.staging)
         self.in_flight -= 1
-        name = unit.method.name
-        started = max(unit.issued_ns, stream.last_done_ns)
+        name, counts = unit.method.name, self.counts
+        started = unit.issued_ns if unit.issued_ns > stream.last_done_ns else stream.last_done_ns
         stream.last_done_ns = now
         if now > started and unit.error is None:  # measured rate, smoothed (bytes per ns = GB/s)
-            self._rate[name] = 0.8 * self._rate[name] + 0.2 * max(0.05, unit.nbytes / (now - started))
+            rate = self._rate[name] = 0.8 * self._rate[name] + 0.2 * max(0.05, unit.nbytes / (now - started))
+            self._ns_per_byte[name] = 1.0 / rate
         self.by_method[name] += 1
-        self.counts["units"] += 1
-        self.counts["bytes"] += unit.nbytes
+        units = counts["units"] = counts["units"] + 1
+        counts["bytes"] += unit.nbytes
         batch = unit.batch
         if unit.error is not None:
             batch.fail(unit.commands, unit.error)
         batch.in_flight -= 1
-        settled = self._maybe_done(batch) or now
-        self.stages[self.counts["units"] % _STAGE_ROWS] = (batch.queued_ns, unit.issued_ns, now, settled)
+        settled = now
+        if not batch.in_flight and batch.cmd >= len(batch.requests) and not batch.parked:
+            settled = self._maybe_done(batch)
+        row, words = (units % _STAGE_ROWS) * 4, self._stage_words
+        words[row], words[row + 1], words[row + 2], words[row + 3] = batch.queued_ns, unit.issued_ns, now, settled
         if batch.parked:
             batch.parked = False
             self.waiting.append(batch)

@@ -21,6 +21,8 @@ work runs, not when it is issued.
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -71,19 +73,29 @@ class LaneMemory:
         self.device: DeviceBuffer = driver.device_buffer(shape.slots * words * WORD_BYTES)
         ids = self.host.ids[: shape.slots * words].reshape(shape.slots, words)
         self.rows = [ids[s] for s in range(shape.slots)]  # made once: a numpy view per slot
+        self.ring = self.host.words.data.cast("B")  # struct packs ids straight into it
+        self.offsets = [s * words * WORD_BYTES for s in range(shape.slots)]
+        self._packers: dict[int, Callable[..., None]] = {}
         self.host_slots = [self.host.address + s * words * WORD_BYTES for s in range(shape.slots)]
         self.device_slots = [self.device.address + s * words * WORD_BYTES for s in range(shape.slots)]
         count = shape.staging_slots if staging else 0
         self.staging: list[DeviceBuffer] = [driver.device_buffer(shape.staging_bytes) for _ in range(count)]
         self.descriptors = np.zeros((count, 3, max(1, shape.pairs)), dtype=np.uint64)
-        self.arange = np.arange(shape.pairs, dtype=np.int64)
+
+    def packer(self, words: int) -> Callable[..., None]:
+        """``pack(ring, offset, *ints)``: writes ``words`` int64 into the ring in one C call
+        (a numpy slice assignment from a list costs several times more)."""
+        pack = self._packers.get(words)
+        if pack is None:
+            pack = self._packers[words] = struct.Struct(f"<{words}q").pack_into
+        return pack
 
 
 class CopyMethod(Protocol):
     name: str
     needs_staging: bool
 
-    def issue(self, slot: int, staging: int, dev: list[int], host: list[int], stream: int) -> None: ...
+    def issue(self, slot: int, staging: int, dev: Sequence[int], host: Sequence[int], stream: int) -> None: ...
 
 
 class ZeroCopy:
@@ -91,17 +103,15 @@ class ZeroCopy:
     needs_staging = False
 
     def __init__(self, driver: Driver, memory: LaneMemory, launch: KernelLaunch, pool: int, programs: int) -> None:
-        self.driver, self.memory, self.launch, self.pool, self.programs = driver, memory, launch, pool, programs
+        self.driver, self.memory, self.launch, self.pool = driver, memory, launch, pool
+        self.programs = grid_size(1 << 62, programs)  # a launch of fewer pieces gets one program each
 
-    def issue(self, slot: int, staging: int, dev: list[int], host: list[int], stream: int) -> None:
+    def issue(self, slot: int, staging: int, dev: Sequence[int], host: Sequence[int], stream: int) -> None:
         n, memory = len(dev), self.memory
-        row = memory.rows[slot]
-        row[0] = self.pool
-        row[1 : 1 + n] = dev
-        row[1 + n : 1 + 2 * n] = host
-        ids = memory.device_slots[slot]
+        memory.packer(1 + 2 * n)(memory.ring, memory.offsets[slot], self.pool, *dev, *host)
+        ids, pieces = memory.device_slots[slot], n * self.launch.tensors
         self.driver.memcpy_async(ids, memory.host_slots[slot], (1 + 2 * n) * WORD_BYTES, stream)
-        self.driver.launch(self.launch, ids, n, grid_size(n * self.launch.tensors, self.programs), stream)
+        self.driver.launch(self.launch, ids, n, self.programs if pieces >= self.programs else pieces, stream)
 
 
 class Staged:
@@ -115,15 +125,12 @@ class Staged:
         self.driver, self.memory, self.launch, self.pool, self.programs = driver, memory, launch, pool, programs
         self.host_block_bytes, self.boundary = host_block_bytes, boundary
 
-    def issue(self, slot: int, staging: int, dev: list[int], host: list[int], stream: int) -> None:
+    def issue(self, slot: int, staging: int, dev: Sequence[int], host: Sequence[int], stream: int) -> None:
         n, memory, hb = len(dev), self.memory, self.host_block_bytes
         base = memory.staging[staging].address
-        row = memory.rows[slot]
-        row[0] = base
-        row[1 : 1 + n] = dev
-        row[1 + n : 1 + 2 * n] = memory.arange[:n]  # staging rows 0..n-1
-        host_ids = row[1 + 2 * n : 1 + 3 * n]
-        host_ids[:] = host
+        # [staging base, device ids, staging rows 0..n-1, host ids (read here only)]
+        memory.packer(1 + 3 * n)(memory.ring, memory.offsets[slot], base, *dev, *range(n), *host)
+        host_ids = memory.rows[slot][1 + 2 * n : 1 + 3 * n]
         starts, lengths = host_runs(host_ids, hb, self.boundary)
         count = len(starts)
         pool_side, staging_side, sizes = memory.descriptors[staging]
@@ -148,7 +155,7 @@ class Dma:
     def __init__(self, driver: Driver, geo: DmaGeometry, to_host: bool, boundary: int) -> None:
         self.driver, self.geo, self.to_host, self.boundary = driver, geo, to_host, boundary
 
-    def issue(self, slot: int, staging: int, dev: list[int], host: list[int], stream: int) -> None:
+    def issue(self, slot: int, staging: int, dev: Sequence[int], host: Sequence[int], stream: int) -> None:
         runs = split_runs(coalesce(dev, host), self.geo.host_block_bytes, self.boundary)
         copy = self.driver.memcpy2d_async
         for c in iter_dma(self.to_host, runs, self.geo):
@@ -181,7 +188,7 @@ class MethodChooser:
             return "dma"
         return available(self.rule.duplex if other_busy else "kernel", self.engines)
 
-    def late(self, dev: list[int], host: list[int], other_busy: bool) -> str:
+    def late(self, dev: Sequence[int], host: Sequence[int], other_busy: bool) -> str:
         lengths = run_lengths(dev, host)
         shape = SwapShape(len(dev) * self.geo.host_block_bytes, calls_for_lengths(lengths, self.geo),
                           rows_for_lengths(lengths, self.geo))  # fmt: skip
