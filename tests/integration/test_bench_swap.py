@@ -109,8 +109,9 @@ def test_rows_carry_the_fixed_cost_beside_the_ratio(short_tmp: Path) -> None:
     """One uvloop loop, swaps timed one after another: each row has its fixed cost (µs over
     the raw copy's median, median and 90th percentile round), the 90th never below the median."""
     out = short_tmp / "bench.json"
-    argv = [sys.executable, "-m", "cachexferd", "bench", "swap", "--sizes", "64KiB", "--counts", "1,4", "--layers",
-            "2", "--patterns", "scattered", "--directions", "d2h", "--min-time", "0.05", "--json", str(out)]  # fmt: skip
+    argv = [sys.executable, "-m", "cachexferd", "bench", "swap", "--sizes", "64KiB", "--counts", "1,4",
+            "--layers", "2", "--patterns", "scattered", "--directions", "d2h", "--min-time", "0.05",
+            "--json", str(out)]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
