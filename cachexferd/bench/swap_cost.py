@@ -9,8 +9,9 @@ least an awaited completion costs: a future resolved by a callback in the next l
 iteration. "net" is the difference: the copy path's own CPU per unit. The fake driver's
 calls are Python too; their share is measured on their own and shown beside ("fake").
 
-One swap of ``--counts`` blocks is one unit. ``--in-flight N`` awaits N swaps at once per
-round (gathered), as a daemon does with the swaps of a loop turn.
+Figures are per unit: a swap of ``--counts`` blocks is one unit unless it is larger than a
+unit (16 MiB), and then it is several ("units"). ``--in-flight N`` awaits N swaps at once
+per round (gathered), as a daemon does with the swaps of a loop turn.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class CostRow:
     piece_bytes: int
     blocks: int
     in_flight: int
+    units: float  # units per swap (a swap above the unit size is split)
     cpu_us: float  # loop-thread CPU per unit, copy path
-    bare_us: float  # loop-thread CPU per round of the bare loop, per unit
+    bare_us: float  # loop-thread CPU of the bare loop, per awaited completion
     fake_us: float  # of cpu_us: the fake driver's own calls
     wall_us: float  # wall time per unit, copy path
     polls: float  # doorbell reads per unit
@@ -133,16 +135,16 @@ def measure(loop: asyncio.AbstractEventLoop, rig: FakeRig, direction: Any, count
     swap, bare = _swap_round(rig, direction, count, n), _bare_round(n)
     loop.run_until_complete(swap())  # warm-up
     lane = rig.cache.lanes[direction]
-    polls0 = lane.counts["polls"]
+    polls0, units0 = lane.counts["polls"], lane.counts["units"]
     totals = {"swap": [0, 0, 0], "bare": [0, 0, 0]}
     for _ in range(4):  # alternation: the machine's noise hits both
         for name, fn in (("swap", swap), ("bare", bare)):
             rounds, cpu, wall = loop.run_until_complete(_cpu_per_round(fn, args.min_time / 8))
             totals[name] = [a + b for a, b in zip(totals[name], (rounds, cpu, wall))]
     (rounds, cpu, wall), (bare_rounds, bare_cpu, _) = totals["swap"], totals["bare"]
-    units = rounds * n
+    units = lane.counts["units"] - units0  # a swap larger than a unit is several
     return CostRow(
-        direction.value, rig.layout.chunk_bytes, count, n, round(cpu / units / 1e3, 2),
+        direction.value, rig.layout.chunk_bytes, count, n, round(units / (rounds * n), 2), round(cpu / units / 1e3, 2),
         round(bare_cpu / (bare_rounds * n) / 1e3, 2), round(fake_calls_us(rig, direction), 2),
         round(wall / units / 1e3, 2), round((lane.counts["polls"] - polls0) / units, 2),
     )  # fmt: skip
@@ -161,8 +163,8 @@ def run_cost(args: argparse.Namespace) -> int:
         f"cachexferd bench swap --backend cuda-fake: loop-thread CPU per unit (one swap), fake driver inline; "
         f"{os.cpu_count()} cpus, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {layers} layers x 2 pieces"
     )
-    print(f"{'dir':4} {'piece':>6} {'blocks':>6} {'x':>3} {'cpu us':>7} {'bare us':>8} {'net us':>7} {'fake us':>8} "
-          f"{'wall us':>8} {'polls':>6}")  # fmt: skip
+    print(f"{'dir':4} {'piece':>6} {'blocks':>6} {'x':>3} {'units':>5} {'cpu us':>7} {'bare us':>8} {'net us':>7} "
+          f"{'fake us':>8} {'wall us':>8} {'polls':>6}")  # fmt: skip
     rows = []
     for piece in pieces:
         for count in counts:
@@ -183,8 +185,9 @@ def run_cost(args: argparse.Namespace) -> int:
 
 
 def format_cost(r: CostRow) -> str:
-    return (f"{r.direction:4} {r.piece_bytes >> 10:>4}Ki {r.blocks:>6} {r.in_flight:>3} {r.cpu_us:>7.2f} "
-            f"{r.bare_us:>8.2f} {r.net_us:>7.2f} {r.fake_us:>8.2f} {r.wall_us:>8.2f} {r.polls:>6.2f}")  # fmt: skip
+    return (f"{r.direction:4} {r.piece_bytes >> 10:>4}Ki {r.blocks:>6} {r.in_flight:>3} {r.units:>5.2f} "
+            f"{r.cpu_us:>7.2f} {r.bare_us:>8.2f} {r.net_us:>7.2f} {r.fake_us:>8.2f} {r.wall_us:>8.2f} "
+            f"{r.polls:>6.2f}")  # fmt: skip
 
 
 def cost_summary(rows: list[CostRow]) -> str:

@@ -163,8 +163,9 @@ class Lane:
             self.waiting.append(batch)
         else:
             state = self._issue_next(batch)
-            if state > 0 and not batch.issued_all:
+            if state > 0 and not batch.issued_all:  # a large swap: its second unit too, now
                 self._requeue(batch)
+                self._pump()
             elif state < 0:
                 self.waiting.append(batch)
             elif state == 0:
