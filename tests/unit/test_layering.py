@@ -155,3 +155,28 @@ def test_the_checker_sees_upward_imports() -> None:
     }
     found = upward_imports({name: imports_in(name, source) for name, source in probes.items()})
     assert [p.split(" ")[0] for p in found] == sorted(probes), found
+
+
+def top_level_imports(source: str) -> set[str]:
+    """Modules a source imports when it is imported (not inside functions)."""
+    names: set[str] = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add(node.module or "")
+    return names
+
+
+def test_the_cuda_package_imports_torch_and_triton_only_where_it_runs_on_a_gpu() -> None:
+    """The driver seam, planning, lanes, methods, the fake driver and the pool import without
+    torch or Triton (they run on CPU in the tests and the cuda-fake benchmark); only the
+    backend module, which the daemon loads by name on a GPU host, imports torch up front."""
+    heavy = {"torch", "triton"}
+    found = {}
+    for path in (PACKAGE / "backends" / "cuda").glob("*.py"):
+        names = {n.split(".")[0] for n in top_level_imports(path.read_text())}
+        if names & heavy:
+            found[path.name] = sorted(names & heavy)
+    assert found == {"backend.py": ["torch"]}, found
+    assert top_level_imports("import torch\ndef f():\n    import triton\n") == {"torch"}, "the rule can fail"

@@ -47,6 +47,7 @@ Results = list[BaseException | None]
 STAGES = ("queued", "issued", "done", "settled")
 _STAGE_ROWS = 4096  # units whose stage times are kept (a ring)
 _DOORBELL_STRIDE = 8  # words between two streams' doorbells (one cache line each)
+_RATE_MIN_BYTES = 1 << 20  # smaller units are bound by their launch, not by the link
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,7 @@ class Lane:
         self.counts = {"units": 0, "bytes": 0, "polls": 0, "watched": 0, "wakes": 0}
         self.by_method = dict.fromkeys(methods, 0)
         self._early = (chooser.early(False), chooser.early(True))  # fixed per attach, unless None
+        self._launch_ns, self._spin_ns = settings.launch_ns, settings.spin_ns
 
     @property
     def busy(self) -> bool:
@@ -285,14 +287,14 @@ class Lane:
             self._fail_lane(exc, extra=unit)
             return
         now = unit.issued_ns = time.perf_counter_ns()
-        start = now + self.settings.launch_ns
+        start = now + self._launch_ns
         if stream.last_due_ns > start:
             start = stream.last_due_ns
         unit.due_ns = stream.last_due_ns = start + int(nbytes * self._ns_per_byte[unit.method.name])
         stream.fifo.append(unit)
         unit.batch.in_flight += 1
         self.in_flight += 1
-        if unit.due_ns - now > self.settings.spin_ns and self._watch(stream):
+        if unit.due_ns - now > self._spin_ns and self._watch(stream):
             return
         if not self._poll_scheduled:  # spin: read the doorbell next loop iteration
             self._poll_scheduled = True
@@ -328,9 +330,8 @@ class Lane:
         name, counts = unit.method.name, self.counts
         started = unit.issued_ns if unit.issued_ns > stream.last_done_ns else stream.last_done_ns
         stream.last_done_ns = now
-        if now > started and unit.error is None:  # measured rate, smoothed (bytes per ns = GB/s)
-            rate = self._rate[name] = 0.8 * self._rate[name] + 0.2 * max(0.05, unit.nbytes / (now - started))
-            self._ns_per_byte[name] = 1.0 / rate
+        if unit.nbytes >= _RATE_MIN_BYTES and now > started and unit.error is None:
+            self._measured(name, unit.nbytes / (now - started))
         self.by_method[name] += 1
         units = counts["units"] = counts["units"] + 1
         counts["bytes"] += unit.nbytes
@@ -346,6 +347,12 @@ class Lane:
         if batch.parked:
             batch.parked = False
             self.waiting.append(batch)
+
+    def _measured(self, name: str, gbps: float) -> None:
+        """The method's rate, smoothed (bytes per ns = GB/s), from units large enough that
+        their time is mostly the link's."""
+        rate = self._rate[name] = 0.8 * self._rate[name] + 0.2 * max(0.05, gbps)
+        self._ns_per_byte[name] = 1.0 / rate
 
     def _maybe_done(self, batch: Batch) -> int:
         """Resolves the batch's future when it has nothing left to issue or wait for;
