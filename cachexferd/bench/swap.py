@@ -309,10 +309,15 @@ def run(args: argparse.Namespace) -> int:
         finally:
             harness.close()
     print(summary(rows))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"machine": machine(args), "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]}, out, indent=1)
+    write_rows(args.json, machine(args), [asdict(r) | {"ratio": r.ratio} for r in rows])
     return 0
+
+
+def write_rows(path: str | None, info: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """The ``--json`` file: the machine, then one map per row."""
+    if path:
+        with open(path, "w") as out:
+            json.dump({"machine": info, "rows": rows}, out, indent=1)
 
 
 def measure_row(h: SwapHarness, direction: str, pattern: str, count: int, rng: random.Random, method: str) -> Row:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import time
@@ -152,7 +151,7 @@ def measure(loop: asyncio.AbstractEventLoop, rig: FakeRig, direction: Any, count
 
 def run_cost(args: argparse.Namespace) -> int:
     from ..backends.base import Direction
-    from .swap import event_loop
+    from .swap import event_loop, write_rows
 
     pieces = [parse_size(p) for p in (args.pieces or "4KiB,16KiB,32KiB").split(",")]
     counts = [int(c) for c in (args.counts or "1,16,128").split(",")]
@@ -177,10 +176,8 @@ def run_cost(args: argparse.Namespace) -> int:
             finally:
                 rig.close()
     print(cost_summary(rows))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"machine": {"cpus": os.cpu_count(), "load_average": list(os.getloadavg())},
-                       "rows": [asdict(r) | {"net_us": r.net_us} for r in rows]}, out, indent=1)  # fmt: skip
+    info = {"cpus": os.cpu_count(), "load_average": list(os.getloadavg())}
+    write_rows(args.json, info, [asdict(r) | {"net_us": r.net_us} for r in rows])
     return 0
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from ...host_cache import HostGeometry, HostPool
 from ...protocol import KVLayout
-from ..base import AttachError, CancelToken, DeviceCache, Direction, SwapRequest
+from ..base import AttachError, BatchedDeviceCache, Direction, SwapRequest
 from .copy_plan import DmaGeometry, Engines, MethodRule
 from .driver import Driver, DriverError, KernelLaunch
 from .lanes import STAGES, Lane, LaneSettings
@@ -51,7 +51,7 @@ class CopySettings:
     pin_boundary: int = 0  # bytes of a pinning chunk: copies never cross a multiple of it
 
 
-class CudaDeviceCache(DeviceCache):
+class CudaDeviceCache(BatchedDeviceCache):
     def __init__(
         self, driver: Driver, layout: KVLayout, tensor_addrs: Sequence[int], pool: HostPool, geometry: HostGeometry,
         settings: CopySettings, mappings: Callable[[], int] = lambda: 0, on_close: Callable[[], None] | None = None,
@@ -138,14 +138,6 @@ class CudaDeviceCache(DeviceCache):
             for name, count in lane.by_method.items():
                 out[name] = out.get(name, 0) + count
         return out
-
-    async def swap(
-        self, direction: Direction, device_ids: Sequence[int], host_ids: Sequence[int], cancel: CancelToken
-    ) -> int:
-        (error,) = await self.swap_many(direction, [SwapRequest(device_ids, host_ids, cancel)])
-        if error is not None:
-            raise error
-        return len(device_ids) * self.layout.host_block_bytes
 
     async def swap_many(self, direction: Direction, requests: Sequence[SwapRequest]) -> list[BaseException | None]:
         pool = self.pool
