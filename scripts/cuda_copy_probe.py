@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from cachexferd.backends.base import CancelToken, Direction
-from cachexferd.backends.cuda import CudaBackend, CudaDeviceCache
+from cachexferd.backends.cuda.backend import CudaBackend
+from cachexferd.backends.cuda.device_cache import CudaDeviceCache
 from cachexferd.client.cuda_runner import CudaKVCache
 from cachexferd.config import load_config
 from cachexferd.protocol import KVLayout

@@ -4,20 +4,24 @@
 #   scripts/gpu-validate.sh [--wheels DIR] [--out DIR] [--anchors DIR] [--steps "tests bench ..."]
 #   scripts/gpu-validate.sh --fetch-wheels DIR     # on a machine with PyPI: the wheels a bare GPU image lacks
 #
-# Steps (default: all, about 8 minutes; each under its own time limit; STEPS or --steps picks some;
-# PYTEST_WORKERS, default 4, runs the GPU tests in parallel where pytest-xdist is installed):
+# Steps (default "probe tests bench anchors pin": under 8 minutes, each under its own time
+# limit; STEPS or --steps picks some; PYTEST_WORKERS, default 6, runs the GPU tests in parallel
+# where pytest-xdist is installed):
+#   probe    scripts/gpu_fastpath_probe.py: driver call costs on the loop's thread, a lone
+#            swap's fixed cost and stage times (polling and watcher), swap-in grids beside a
+#            GEMM, driver calls while the pool pins
 #   tests    pytest -m cuda on every test file with GPU tests (exactness of every copy method,
-#            IPC through daemons, the vLLM layouts' CUDA attach), then the CPU tests of the cuda
-#            backend's logic (plans, method rule, handles, pool, import guard)
+#            IPC through daemons, the vLLM layouts' CUDA attach; the CPU tests of the backend's
+#            logic run in CI)
 #   bench    cachexferd bench swap --backend cuda --preset vllm (pieces 4/16/32 KiB, 1..1024
 #            scattered blocks, d2h/h2d/both, every copy method; raw references warmed), then
-#            4 swaps in flight per direction (1..128 blocks, kernel and dma)
-#   anchors  the reference scripts (anchor_kernel.py, anchor_gather.py, anchor_duplex.py) from
-#            --anchors (default ../shared/gpu/h100-2026-11-25 or shared/gpu/h100-2026-11-25),
-#            run beside the bench in the same session; skipped when absent
+#            4 swaps in flight per direction (16..128 blocks, auto and kernel)
+#   anchors  the reference scripts (anchor_kernel.py, anchor_duplex.py) from --anchors
+#            (default ../shared/gpu/h100-2026-11-25 or shared/gpu/h100-2026-11-25), run beside
+#            the bench in the same session; skipped when absent
 #   copy     scripts/cuda_copy_probe.py: every method vs a warmed raw pinned copy, 1 GiB swaps
-#   pin      scripts/pin_probe.py: pinning $PIN_CAPACITY (default 32GiB), status latency meanwhile
-# With 10-minute commands, run it as two: --steps "tests", then --steps "bench anchors copy pin".
+#            (not in the default steps)
+#   pin      scripts/pin_probe.py: pinning $PIN_CAPACITY (default 64GiB), status latency meanwhile
 #
 # Output in --out (default $OUT or ./gpu-validate-out): summary.txt (environment, each step's
 # exit code and time, pytest counts, and scripts/gpu_summary.py's table: bench rows per method
@@ -26,17 +30,17 @@
 # pin_probe.json.
 #
 # Needs python3 with the CUDA build of torch (which brings Triton). pyzmq, msgpack, msgspec,
-# numpy, uvloop, prometheus-client, pytest and pytest-timeout are installed from --wheels DIR when missing
+# numpy, uvloop, prometheus-client, pytest, pytest-timeout and pytest-xdist are installed from --wheels DIR when missing
 # (into /tmp/cx-site, put on PYTHONPATH so every subprocess, the tests' included, sees them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 OUT="${OUT:-$PWD/gpu-validate-out}"
-STEPS="${STEPS:-tests bench anchors copy pin}"
+STEPS="${STEPS:-probe tests bench anchors pin}"
 WHEELS="${WHEELS:-}"
 ANCHORS="${ANCHORS:-}"
-PIN_CAPACITY="${PIN_CAPACITY:-32GiB}"
-NEEDED="pyzmq msgpack msgspec numpy uvloop prometheus-client pytest pytest-timeout"
+PIN_CAPACITY="${PIN_CAPACITY:-64GiB}"
+NEEDED="pyzmq msgpack msgspec numpy uvloop prometheus-client pytest pytest-timeout pytest-xdist execnet"
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -53,13 +57,15 @@ while [ $# -gt 0 ]; do
   esac
 done
 mkdir -p "$OUT/bench" "$OUT/anchors"
+BEGAN=$SECONDS
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 missing_modules() {
   "$PY" - <<'EOF'
 import importlib.util
 wanted = {"zmq": "pyzmq", "msgpack": "msgpack", "msgspec": "msgspec", "numpy": "numpy", "uvloop": "uvloop",
-          "prometheus_client": "prometheus-client", "pytest": "pytest", "pytest_timeout": "pytest-timeout"}
+          "prometheus_client": "prometheus-client", "pytest": "pytest", "pytest_timeout": "pytest-timeout",
+          "xdist": "pytest-xdist", "execnet": "execnet"}
 print(" ".join(pkg for mod, pkg in wanted.items() if importlib.util.find_spec(mod) is None))
 EOF
 }
@@ -116,31 +122,30 @@ mapfile -t GPU_TESTS < <(grep -rl --include='test_*.py' -e 'pytest.mark.cuda' te
 # The GPU tests start many CUDA daemons; with pytest-xdist they run PYTEST_WORKERS at a time,
 # except those marked "alone" (they read the GPU's device-wide free memory), run afterwards.
 XDIST=()
-if "$PY" -c "import xdist" 2>/dev/null && [ "${PYTEST_WORKERS:-4}" -gt 1 ]; then
-  XDIST=(-n "${PYTEST_WORKERS:-4}")
+if "$PY" -c "import xdist" 2>/dev/null && [ "${PYTEST_WORKERS:-6}" -gt 1 ]; then
+  XDIST=(-n "${PYTEST_WORKERS:-6}")
 fi
-step tests 330 "$OUT/pytest-cuda.log" "$PY" -m pytest -p no:cacheprovider -v -rs --timeout 240 "${XDIST[@]}" \
+step probe 70 "$OUT/probe.log" "$PY" scripts/gpu_fastpath_probe.py --out "$OUT/probe.jsonl"
+step tests 130 "$OUT/pytest-cuda.log" "$PY" -m pytest -p no:cacheprovider -v -rs --timeout 120 "${XDIST[@]}" \
   -m "cuda and not alone" "${GPU_TESTS[@]}"
-step tests 150 "$OUT/pytest-cuda.log" "$PY" -m pytest -p no:cacheprovider -v -rs --timeout 120 -m "cuda and alone" \
+step tests 45 "$OUT/pytest-cuda.log" "$PY" -m pytest -p no:cacheprovider -v -rs --timeout 40 -m "cuda and alone" \
   "${GPU_TESTS[@]}"
-step tests 90 "$OUT/pytest-cuda.log" "$PY" -m pytest -p no:cacheprovider -q tests/unit/test_cuda_ipc_encoding.py \
-  tests/unit/test_cuda_pool_logic.py tests/unit/test_cuda_copy_plan.py tests/unit/test_import_guard.py \
-  tests/unit/test_cuda_kernel.py tests/unit/test_vllm_cuda_layouts.py
-step bench 220 "$OUT/bench.log" "$PY" -m cachexferd bench swap --backend cuda --preset vllm --min-time 0.1 \
+step bench 60 "$OUT/bench.log" "$PY" -m cachexferd bench swap --backend cuda --preset vllm --min-time 0.05 \
   --json "$OUT/bench/swap.json"
-step bench 120 "$OUT/bench.log" "$PY" -m cachexferd bench swap --backend cuda --preset vllm --counts 1,16,128 \
-  --in-flight 4 --methods kernel,dma --min-time 0.1 --json "$OUT/bench/swap-inflight.json"
+step bench 30 "$OUT/bench.log" "$PY" -m cachexferd bench swap --backend cuda --preset vllm --counts 16,128 \
+  --in-flight 4 --methods auto,kernel --min-time 0.05 --json "$OUT/bench/swap-inflight.json"
 if [ -n "$ANCHORS" ]; then
-  for anchor in anchor_kernel anchor_gather anchor_duplex; do
+  for anchor in anchor_kernel anchor_duplex; do
     [ -f "$ANCHORS/$anchor.py" ] || continue
-    step anchors 100 "$OUT/anchors/$anchor.jsonl" "$PY" "$ANCHORS/$anchor.py"
+    step anchors 35 "$OUT/anchors/$anchor.jsonl" "$PY" "$ANCHORS/$anchor.py"
   done
 fi
 step copy 120 "$OUT/probes.log" "$PY" scripts/cuda_copy_probe.py --out "$OUT/copy_probe.json"
-step pin 100 "$OUT/probes.log" "$PY" scripts/pin_probe.py --capacity "$PIN_CAPACITY" --chunk 1GiB \
-  --out "$OUT/pin_probe.json"
+step pin 40 "$OUT/probes.log" "$PY" scripts/pin_probe.py --capacity "$PIN_CAPACITY" --chunk 1GiB \
+  --limit-s 30 --out "$OUT/pin_probe.json"
 
 {
+  echo "all steps: $((SECONDS - BEGAN))s"
   grep -E "(passed|failed|error|skipped|deselected).* in [0-9.]+s" "$OUT/pytest-cuda.log" 2>/dev/null
   "$PY" scripts/gpu_summary.py "$OUT"
 } >>"$SUMMARY" 2>&1

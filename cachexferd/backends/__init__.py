@@ -1,8 +1,8 @@
 """Copy backends, declared in one table (``COPY_BACKENDS``) and imported lazily by name.
 
 The configuration reads the table for the values of ``daemon.backend``; the daemon imports
-the selected backend's module only. The cpu path never imports cachexferd.backends.cuda
-(nor anything CUDA-only).
+the selected backend's module only. The cpu path never imports the cachexferd.backends.cuda
+package (nor anything CUDA-only).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class CopyBackendSpec(NamedTuple):
 
 COPY_BACKENDS: dict[str, CopyBackendSpec] = {
     "cpu": CopyBackendSpec("cachexferd.backends.cpu"),
-    "cuda": CopyBackendSpec("cachexferd.backends.cuda", table="cuda"),
+    "cuda": CopyBackendSpec("cachexferd.backends.cuda.backend", table="cuda"),
 }
 BACKEND_CHOICES = ("auto", *COPY_BACKENDS)  # the values of daemon.backend
 

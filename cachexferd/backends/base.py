@@ -110,6 +110,23 @@ class DeviceCache(ABC):
         return {"layout": self.layout.to_wire(), "mappings": self.mappings}
 
 
+class BatchedDeviceCache(DeviceCache):
+    """A DeviceCache whose backend moves batches (it implements ``swap_many``); ``swap`` is a
+    batch of one."""
+
+    async def swap(
+        self, direction: Direction, device_ids: Sequence[int], host_ids: Sequence[int], cancel: CancelToken
+    ) -> int:
+        (error,) = await self.swap_many(direction, [SwapRequest(device_ids, host_ids, cancel)])
+        if error is not None:
+            raise error
+        return len(device_ids) * self.layout.host_block_bytes
+
+    @abstractmethod
+    async def swap_many(self, direction: Direction, requests: Sequence[SwapRequest]) -> list[BaseException | None]:
+        """As DeviceCache.swap_many, implemented by the backend."""
+
+
 class Backend(ABC):
     name: str
 

@@ -42,7 +42,7 @@ import torch
 from ..host_cache import HostGeometry, HostPool
 from ..protocol import ErrorCode, KVLayout, ProtocolError
 from ..security import Requester, SegmentPolicy
-from .base import AttachError, Backend, CancelToken, DeviceCache, Direction, SwapRequest
+from .base import AttachError, Backend, BatchedDeviceCache, CancelToken, DeviceCache, Direction, SwapRequest
 from .plan import Run, coalesce, even_groups, shard_tagged
 
 if TYPE_CHECKING:
@@ -290,7 +290,7 @@ def _empty_segment(name: str, identity: SegmentIdentity, dir_fd: int, shm_dir: s
     return "emptied"
 
 
-class CpuDeviceCache(DeviceCache):
+class CpuDeviceCache(BatchedDeviceCache):
     inline_bytes = _INLINE_BYTES
 
     def __init__(
@@ -321,14 +321,6 @@ class CpuDeviceCache(DeviceCache):
     @property
     def mappings(self) -> int:
         return 0 if self._storage is None else 1
-
-    async def swap(
-        self, direction: Direction, device_ids: Sequence[int], host_ids: Sequence[int], cancel: CancelToken
-    ) -> int:
-        (error,) = await self.swap_many(direction, [SwapRequest(device_ids, host_ids, cancel)])
-        if error is not None:
-            raise error
-        return len(device_ids) * self.layout.host_block_bytes
 
     async def swap_many(self, direction: Direction, requests: Sequence[SwapRequest]) -> list[BaseException | None]:
         pool = self._backend.pools[direction]

@@ -31,6 +31,16 @@ class Kit:
         if config is not None and hasattr(config, "copy_method"):
             self.backend.config = dataclasses.replace(config, copy_method=method)  # type: ignore[attr-defined]
 
+    def reset_stages(self) -> None:
+        reset = getattr(self.device, "reset_stages", None)
+        if reset is not None:
+            reset()
+
+    def stages(self) -> dict[str, float]:
+        """cuda: the backend's stage times since reset_stages (µs, p50); cpu: none."""
+        summary = getattr(self.device, "stage_summary", None)
+        return summary() if summary is not None else {}
+
     def warm_raw(self, seconds: float = 0.3) -> None:
         """Runs the raw reference copies for a while first: a cold link (power states, clocks,
         first touches) reads several times slower than a warm one."""
@@ -90,8 +100,8 @@ def _cuda_kit(layout: KVLayout, host_blocks: int) -> Kit:
     import torch
 
     from ..backends import load_backend
-    from ..backends.cuda import CudaBackend
-    from ..backends.cuda_pool import PinnedHostPool
+    from ..backends.cuda.backend import CudaBackend
+    from ..backends.cuda.pool import PinnedHostPool
     from ..client.cuda_runner import CudaKVCache
     from ..config import load_config
 

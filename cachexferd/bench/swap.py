@@ -1,11 +1,19 @@
 """``cachexferd bench swap``: swap throughput against a raw contiguous copy of the same bytes.
 
 For every (direction, block size, block count, id pattern, copy method) the benchmark
-measures, in the same process and back to back, the backend's swap of those blocks and one
-raw contiguous copy of the same number of bytes (cpu: torch ``copy_`` between two host
+measures, in the same process and in alternation, the backend's swap of those blocks and
+one raw contiguous copy of the same number of bytes (cpu: torch ``copy_`` between two host
 tensors using all cores; cuda: one pinned host <-> device copy, warmed before the first
 case). Ratios, not absolute numbers, are what compare across the shared, noisy machines
 this runs on.
+
+Swaps run on one uvloop event loop for the whole run (the daemon's loop), timed one after
+another inside one coroutine, so the figures hold no event-loop start-up. Beside each ratio
+(from the best round of each) the *fixed cost*: a round's time minus the raw copy's median
+time for the same bytes, in µs, at the median and the 90th percentile of the rounds. With
+the cuda backend the backend's own stage times follow (queued -> issued -> done -> settled,
+µs, p50). ``--backend cuda-fake`` measures the event loop's CPU per swap instead
+(bench/swap_cost.py).
 
 A host block is ``layers x 2`` pieces (one layer's K or V of one block). ``--pieces`` sizes
 the blocks by their piece instead of ``--sizes``; ``--preset vllm`` is the set of shapes
@@ -25,7 +33,7 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..config import parse_size
@@ -58,6 +66,9 @@ class Row:
     method: str = "-"  # cuda: the cuda.copy_method setting the swap ran with
     piece_bytes: int = 0  # one layer's K or V of one block
     in_flight: int = 1  # swaps of `blocks` blocks each submitted at once (per direction)
+    fixed_p50_us: float = 0.0  # a round's time minus the raw copy's median, median round
+    fixed_p90_us: float = 0.0  # the same, 90th percentile round
+    stages: dict[str, float] = field(default_factory=dict)  # cuda: the backend's stage times, µs p50
 
     @property
     def ratio(self) -> float:
@@ -65,7 +76,8 @@ class Row:
 
 
 def add_swap_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--backend", default="cpu", choices=("cpu", "cuda", "cuda-fake"),
+                   help="cuda-fake: the event loop's CPU per swap, fake driver, against a bare loop")  # fmt: skip
     p.add_argument("--preset", choices=sorted(PRESETS), help="a set of shapes (vllm: vLLM's pieces and counts)")
     p.add_argument("--sizes", default=None, help=f"host block sizes, comma-separated (default {DEFAULT_SIZES})")
     p.add_argument("--pieces", default=None, help="piece sizes instead of --sizes (block = piece x layers x 2)")
@@ -135,20 +147,57 @@ def ids_for(pattern: str, count: int, rng: random.Random) -> tuple[list[int], li
     return device, host
 
 
-def best_times(fns: list[Callable[[], Any]], min_time: float) -> list[float]:
-    """Best time of each function, measured in alternation so that the machine's noise
-    (other tenants, frequency changes) hits the swap and its baseline alike."""
-    for fn in fns:
-        fn()  # warm-up: page faults, allocator, thread start
-    best = [float("inf")] * len(fns)
-    spent = 0.0
-    while spent < min_time * len(fns) or float("inf") in best:
-        for i, fn in enumerate(fns):
-            start = time.perf_counter()
-            fn()
-            took = time.perf_counter() - start
-            best[i], spent = min(best[i], took), spent + took
-    return best
+@dataclass
+class Timings:
+    """Seconds of each round of the swaps and of the raw copy, measured in alternation."""
+
+    swap: list[float] = field(default_factory=list)
+    raw: list[float] = field(default_factory=list)
+
+    def fixed_us(self, q: float) -> float:
+        return (_quantile(self.swap, q) - statistics.median(self.raw)) * 1e6
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def swap_rounds(round_fn: Callable[[], Awaitable[Any]], seconds: float, times: list[float]) -> None:
+    """Rounds of swaps one after another in this coroutine, each timed, for ``seconds``."""
+    clock = time.perf_counter
+    deadline = clock() + seconds
+    while True:
+        start = clock()
+        await round_fn()
+        end = clock()
+        times.append(end - start)
+        if end > deadline:
+            return
+
+
+def raw_rounds(copy: Callable[[], Any], seconds: float, times: list[float]) -> None:
+    clock = time.perf_counter
+    deadline = clock() + seconds
+    while True:
+        start = clock()
+        copy()
+        end = clock()
+        times.append(end - start)
+        if end > deadline:
+            return
+
+
+def timed(h: SwapHarness, round_fn: Callable[[], Awaitable[Any]], raw: Callable[[], Any], min_time: float) -> Timings:
+    """Swaps and raw copies in four alternating blocks (the machine's noise hits both),
+    after one untimed round of each (page faults, compiles, thread starts)."""
+    h.run(round_fn())
+    raw()
+    out = Timings()
+    for _ in range(4):
+        h.run(swap_rounds(round_fn, min_time / 4, out.swap))
+        raw_rounds(raw, min_time / 4, out.raw)
+    return out
 
 
 class SwapHarness:
@@ -162,22 +211,33 @@ class SwapHarness:
         blocks = count * self.in_flight  # every swap in flight has blocks of its own
         self.layout = layout_for(block_bytes, args.layers, 2 * blocks)
         self.bytes = block_bytes * blocks
-        self.loop = asyncio.new_event_loop()
+        self.loop = event_loop()
         self.kit = harness.make(args.backend, self.layout, blocks, args.threads)
 
-    def run(self, coro_fn: Callable[[], Awaitable[Any]]) -> None:
-        self.loop.run_until_complete(coro_fn())
+    def run(self, coro: Awaitable[Any]) -> Any:
+        return self.loop.run_until_complete(coro)
 
     def close(self) -> None:
         self.kit.close()
-        self.loop.close()
+
+
+_LOOP: list[asyncio.AbstractEventLoop] = []
+
+
+def event_loop() -> asyncio.AbstractEventLoop:
+    """The run's one uvloop loop (the daemon's kind of loop), made on first use."""
+    if not _LOOP:
+        import uvloop
+
+        _LOOP.append(uvloop.new_event_loop())
+    return _LOOP[0]
 
 
 def measure_case(
     h: SwapHarness, direction: str, pattern: str, count: int, rng: random.Random, method: str = "-"
-) -> tuple[float, float]:
+) -> tuple[float, float, Timings]:
     """GB/s of the swaps (``h.in_flight`` of ``count`` blocks at once, per direction) and of
-    one raw contiguous copy of the same bytes."""
+    one raw contiguous copy of the same bytes (best rounds), and every round's time."""
     from ..backends.base import CancelToken, Direction
 
     if method != "-":
@@ -192,17 +252,21 @@ def measure_case(
         outs = [(d[:half], hs[:half]) for d, hs in swaps]
         ins = [(d[half:] or d, hs[half:] or hs) for d, hs in swaps]
         moved = sum(len(d) for d, _ in outs + ins) * h.layout.host_block_bytes
-        work_items = [(Direction.D2H, pairs) for pairs in outs] + [(Direction.H2D, pairs) for pairs in ins]
+        work = [(Direction.D2H, pairs) for pairs in outs] + [(Direction.H2D, pairs) for pairs in ins]
     else:
         moved = h.bytes
         d = Direction.D2H if direction == "d2h" else Direction.H2D
-        work_items = [(d, pairs) for pairs in swaps]
+        work = [(d, pairs) for pairs in swaps]
 
-    async def work() -> None:
-        await asyncio.gather(*(swap(d, ids, hosts, token) for d, (ids, hosts) in work_items))
+    async def one() -> None:
+        (d, (ids, hosts)) = work[0]
+        await swap(d, ids, hosts, token)
 
-    swap_s, raw_s = best_times([lambda: h.run(work), lambda: h.kit.raw_copy(moved, direction)], h.args.min_time)
-    return moved / swap_s / 1e9, moved / raw_s / 1e9
+    async def together() -> None:
+        await asyncio.gather(*(swap(d, ids, hosts, token) for d, (ids, hosts) in work))
+
+    times = timed(h, one if len(work) == 1 else together, lambda: h.kit.raw_copy(moved, direction), h.args.min_time)
+    return moved / min(times.swap) / 1e9, moved / min(times.raw) / 1e9, times
 
 
 def block_sizes(args: argparse.Namespace) -> list[int]:
@@ -220,6 +284,10 @@ def cases(args: argparse.Namespace) -> Iterator[tuple[int, int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.backend == "cuda-fake":
+        from .swap_cost import run_cost
+
+        return run_cost(args)
     apply_preset(args)
     rng = random.Random(args.seed)
     methods = methods_for(args)
@@ -227,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     print(header(args), flush=True)
     print(
         f"{'dir':5} {'block':>8} {'piece':>7} {'count':>6} {'pattern':11} {'method':8} "
-        f"{'swap GB/s':>10} {'raw GB/s':>9} {'ratio':>6}"
+        f"{'swap GB/s':>10} {'raw GB/s':>9} {'ratio':>6} {'fixed us p50/p90':>17}  stages us p50"
     )
     for size, count in cases(args):
         harness = SwapHarness(args, size, count)
@@ -235,20 +303,30 @@ def run(args: argparse.Namespace) -> int:
             for direction in args.directions.split(","):
                 for pattern in args.patterns.split(","):
                     for method in methods:
-                        swap_gbps, raw_gbps = measure_case(harness, direction, pattern, count, rng, method)
-                        piece = harness.layout.chunk_bytes
-                        row = Row(
-                            direction, size, count, pattern, swap_gbps, raw_gbps, method, piece, harness.in_flight
-                        )
+                        row = measure_row(harness, direction, pattern, count, rng, method)
                         rows.append(row)
                         print(format_row(row), flush=True)
         finally:
             harness.close()
     print(summary(rows))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"machine": machine(args), "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]}, out, indent=1)
+    write_rows(args.json, machine(args), [asdict(r) | {"ratio": r.ratio} for r in rows])
     return 0
+
+
+def write_rows(path: str | None, info: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """The ``--json`` file: the machine, then one map per row."""
+    if path:
+        with open(path, "w") as out:
+            json.dump({"machine": info, "rows": rows}, out, indent=1)
+
+
+def measure_row(h: SwapHarness, direction: str, pattern: str, count: int, rng: random.Random, method: str) -> Row:
+    h.kit.reset_stages()
+    swap_gbps, raw_gbps, times = measure_case(h, direction, pattern, count, rng, method)
+    return Row(
+        direction, h.layout.host_block_bytes, count, pattern, swap_gbps, raw_gbps, method, h.layout.chunk_bytes,
+        h.in_flight, round(times.fixed_us(0.5), 1), round(times.fixed_us(0.9), 1), h.kit.stages(),
+    )  # fmt: skip
 
 
 def _size(nbytes: int) -> str:
@@ -256,10 +334,13 @@ def _size(nbytes: int) -> str:
 
 
 def format_row(row: Row) -> str:
+    stages = " ".join(f"{v:.0f}" for v in row.stages.values())
+    fixed = f"{row.fixed_p50_us:.0f}/{row.fixed_p90_us:.0f}"
     return (
         f"{row.direction:5} {_size(row.block_bytes):>8} {_size(row.piece_bytes):>7} {row.blocks:>6} "
-        f"{row.pattern:11} {row.method:8} {row.swap_gbps:>10.2f} {row.raw_gbps:>9.2f} {row.ratio:>6.0%}"
-    )
+        f"{row.pattern:11} {row.method:8} {row.swap_gbps:>10.2f} {row.raw_gbps:>9.2f} {row.ratio:>6.0%} "
+        f"{fixed:>17}  {stages}"
+    ).rstrip()
 
 
 def summary(rows: list[Row]) -> str:

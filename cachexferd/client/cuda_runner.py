@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..cuda_tensors import check_runner_tensors, device_uuid
 from ..protocol import KVLayout
-from ..protocol.cuda_ipc import SharedStorage, TensorRef, encode_device, normalize_uuid
+from ..protocol.cuda_ipc import SharedStorage, TensorRef, encode_device
 from .runner import KVTensors, torch_dtype
 
 if TYPE_CHECKING:
@@ -59,27 +60,6 @@ def export_tensors(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> dict[st
             storages.append(export_storage(untyped))
         refs.append(TensorRef(by_storage[base], tensor.data_ptr() - base))
     return encode_device(device_uuid(tensors[0].device.index or 0), storages, refs)
-
-
-def check_runner_tensors(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> None:
-    shape = (layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    if len(tensors) != layout.num_tensors:
-        raise ValueError(f"layout needs {layout.num_tensors} tensors, got {len(tensors)}")
-    device = tensors[0].device
-    for i, t in enumerate(tensors):
-        if t.device != device or t.device.type != "cuda":
-            raise ValueError(f"tensor {i} is on {t.device}; every tensor must be on one CUDA device ({device})")
-        if tuple(t.shape) != shape or not t.is_contiguous():
-            raise ValueError(f"tensor {i} must be contiguous with shape {shape}, got {tuple(t.shape)}")
-        if str(t.dtype).removeprefix("torch.") != layout.dtype:
-            raise ValueError(f"tensor {i} has dtype {t.dtype}, layout says {layout.dtype}")
-
-
-def device_uuid(index: int) -> str:
-    """The UUID of this process's CUDA device ``index`` (the name the daemon checks)."""
-    import torch
-
-    return normalize_uuid(str(torch.cuda.get_device_properties(index).uuid))
 
 
 class CudaKVCache(KVTensors):

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from cachexferd.backends import cpu as cpu_backend
-from cachexferd.backends import cuda as cuda_backend
-from cachexferd.backends.cuda import CudaBackend
+from cachexferd.backends.cuda import backend as cuda_backend
+from cachexferd.backends.cuda.backend import CudaBackend
 from cachexferd.client.link import ClientError
 from cachexferd.client.runner import RunnerClient, ShmKVCache
 from cachexferd.host_cache import HostPool

@@ -93,13 +93,41 @@ def test_in_flight_submits_that_many_swaps_at_once_over_disjoint_blocks(directio
 
     harness.kit.device.swap = counting_swap  # type: ignore[method-assign]
     try:
-        swap_gbps, raw_gbps = measure_case(harness, direction, "scattered", 8, random.Random(1))
+        swap_gbps, raw_gbps, times = measure_case(harness, direction, "scattered", 8, random.Random(1))
     finally:
         harness.close()
-    assert swap_gbps > 0 and raw_gbps > 0
+    assert swap_gbps > 0 and raw_gbps > 0 and len(times.swap) >= 4 and len(times.raw) >= 4
     per_round = 3 if direction == "d2h" else 6  # both: each swap's pairs split, half out and half in
     assert len(calls) % per_round == 0 and most == per_round
     first = calls[:per_round]
     devices = [i for _, ids, _ in first for i in ids]
     hosts = [h for _, _, hs in first for h in hs]
     assert len(devices) == len(set(devices)) == 24 and len(hosts) == len(set(hosts)) == 24
+
+
+def test_rows_carry_the_fixed_cost_beside_the_ratio(short_tmp: Path) -> None:
+    """One uvloop loop, swaps timed one after another: each row has its fixed cost (µs over
+    the raw copy's median, median and 90th percentile round), the 90th never below the median."""
+    out = short_tmp / "bench.json"
+    argv = [sys.executable, "-m", "cachexferd", "bench", "swap", "--sizes", "64KiB", "--counts", "1,4",
+            "--layers", "2", "--patterns", "scattered", "--directions", "d2h", "--min-time", "0.05",
+            "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 and all(r["fixed_p90_us"] >= r["fixed_p50_us"] for r in rows), rows
+    assert "fixed us p50/p90" in proc.stdout
+
+
+def test_cuda_fake_reports_loop_cpu_per_unit_against_a_bare_loop(short_tmp: Path) -> None:
+    out = short_tmp / "cost.json"
+    argv = [sys.executable, "-m", "cachexferd", "bench", "swap", "--backend", "cuda-fake", "--pieces", "4KiB",
+            "--counts", "16", "--layers", "2", "--min-time", "0.1", "--in-flight", "2", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["direction"], r["blocks"], r["in_flight"]) for r in rows} == {("d2h", 16, 2), ("h2d", 16, 2)}
+    for r in rows:
+        assert r["cpu_us"] > 0 and r["bare_us"] > 0 and r["net_us"] == r["cpu_us"] - r["bare_us"]
+        assert 0.5 <= r["polls"] <= 2, "an inline unit is settled by the next doorbell read"
+    assert "net loop CPU per unit at 16 blocks" in proc.stdout

@@ -62,7 +62,7 @@ PLACEMENTS = {"one_buffer": (True, 2), "per_tensor": (False, 2), "kv_page": (Tru
 
 @pytest.fixture(scope="module", params=METHODS)
 def local_backend(request: pytest.FixtureRequest) -> Iterator[Any]:
-    from cachexferd.backends.cuda import CudaBackend
+    from cachexferd.backends.cuda.backend import CudaBackend
     from cachexferd.config import load_config
 
     config = load_config(overrides={"cuda.copy_method": request.param, "cuda.pin_chunk": "8MiB"}, environ={})
@@ -176,9 +176,32 @@ def test_local_both_directions_at_once(local_backend: Any, dtype: str, pattern: 
         assert_untouched(kv, before, in_dev)
         keep = sorted(set(range(geometry.num_blocks)) - set(out_host))
         assert torch.equal(blocks[keep], host_before[keep]), "a host block outside the swap-out changed"
-        print(f"{local_backend.config.copy_method}: swaps by method {cache.methods}")
+        print(f"{local_backend.config.copy_method}: units by method {cache.methods}")
+        if local_backend.config.copy_method == "auto":
+            assert cache.methods["staging"] > 0, "auto should stage while the other direction runs"
         cache.close()
     pool.close()
+
+
+def test_the_driver_uses_its_fast_paths(local_backend: Any) -> None:
+    """The doorbell is written by the stream, the kernel launched through its compiled entry,
+    host runs copied by one batched call (CUDA 12.8 and later): each was checked on this
+    device when the driver was made, and a fallback here is a finding, not a failure of the
+    bytes (the other tests check those)."""
+    if local_backend.config.copy_method == "dma":
+        pytest.skip("no kernel with copy_method dma")
+    layout = layout_for("bfloat16")
+    pool = local_backend.create_host_pool(32 * MIB)
+    with CudaKVCache(layout, "cuda:0") as kv:
+        cache = local_backend.local_device_cache(layout, kv.tensors, pool, pool.geometry(layout.host_block_bytes))
+        driver = local_backend.describe()["driver"]
+        cache.close()
+    pool.close()
+    assert driver["doorbell"] == "cuStreamWriteValue64", driver
+    assert driver["kernel"]["compiled"] >= 1 and driver["kernel"]["dispatch"] == 0, driver
+    version = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
+    if version >= (12, 8):
+        assert driver["batched_copy"] == "cuMemcpyBatchAsync", driver
 
 
 # Through a daemon subprocess (CUDA IPC) ---------------------------------------------------

@@ -1,41 +1,36 @@
 """The cuda backend's copy plans, executed on CPU memory: every DMA call of a plan is run
-with memmove row by row, and the staging path runs its torch ops on CPU tensors. Exact
-bytes and untouched blocks, as on the GPU."""
+with memmove row by row. Exact bytes and untouched blocks, as on the GPU. The method rule
+and the host runs of a staged unit."""
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import random
-import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
 
-from cachexferd.backends.cuda_copy import (
-    Copy2D,
+from cachexferd.backends.cuda.copy_plan import (
     DmaGeometry,
     Engines,
     MethodRule,
     SwapShape,
     available,
-    batches,
     choose_method,
     dma_calls,
     dma_rows,
     element_size,
+    host_runs,
     plan_dma,
-    plan_staging,
     run_lengths,
     split_runs,
 )
-from cachexferd.backends.cuda_runtime import EventWaiter, settle_threadsafe
-from cachexferd.backends.cuda_stage import DeviceTensor, Stager, storage_groups
+from cachexferd.backends.cuda.driver import Copy2D
 from cachexferd.backends.plan import Run, coalesce, even_groups
-from cachexferd.protocol import DTYPE_BYTES, KVLayout
+from cachexferd.protocol import KVLayout
 
 LAYOUT = KVLayout(num_layers=3, num_blocks=24, block_size=2, num_kv_heads=2, head_dim=8, dtype="float16")
 HOST_BLOCKS = 40
@@ -189,17 +184,9 @@ def test_split_runs_keeps_runs_inside_pinning_chunks() -> None:
     assert split_runs([Run(0, 0, 10)], hb, 0) == [Run(0, 0, 10)]
 
 
-def test_batches_bound_bytes_and_keep_order() -> None:
-    copies = [Copy2D(i, 1, i, 1, 10, 1) for i in range(25)]
-    out = list(batches(iter(copies), 30))
-    assert [len(b) for b in out] == [3] * 8 + [1]
-    assert [c for b in out for c in b] == copies
-    assert list(batches(iter([]), 30)) == []
-
-
 KIB = 1 << 10
-BOTH = Engines(dma=True, kernel=True)
-RULE = MethodRule(dma_min_bytes=256 * KIB, staging_below=64 * KIB)
+ALL = Engines(dma=True, kernel=True, staging=True)
+RULE = MethodRule(dma_min_bytes=256 * KIB)
 
 
 def shape(total: int, calls: int, rows: int) -> SwapShape:
@@ -209,32 +196,45 @@ def shape(total: int, calls: int, rows: int) -> SwapShape:
 def test_auto_takes_dma_for_long_rows_and_the_kernel_for_small_pieces() -> None:
     big_rows = shape(64 << 20, 64, 64)  # 1 MiB rows: a vLLM packed block, or long contiguous runs
     small_rows = shape(128 * 256 * KIB, 128, 128 * 64)  # 4 KiB pieces, 128 scattered blocks
-    assert choose_method("auto", big_rows, BOTH, RULE) == "dma"
-    assert choose_method("auto", small_rows, BOTH, RULE) == "kernel"
+    assert choose_method("auto", big_rows, ALL, RULE, other_busy=False) == "dma"
+    assert choose_method("auto", small_rows, ALL, RULE, other_busy=False) == "kernel"
     # The threshold is on the average row, whatever the number of calls.
-    assert choose_method("auto", shape(256 * KIB * 10, 1, 10), BOTH, RULE) == "dma"
-    assert choose_method("auto", shape(256 * KIB * 10 - 1, 1, 10), BOTH, RULE) == "kernel"
+    assert choose_method("auto", shape(256 * KIB * 10, 1, 10), ALL, RULE, other_busy=False) == "dma"
+    assert choose_method("auto", shape(256 * KIB * 10 - 1, 1, 10), ALL, RULE, other_busy=False) == "kernel"
 
 
-def test_auto_without_triton_keeps_the_dma_and_staging_rule() -> None:
-    no_kernel = Engines(dma=True, kernel=False)
-    assert choose_method("auto", shape(10 * 256 * KIB, 10, 10 * 64), no_kernel, RULE) == "dma"  # 256 KiB a call
-    assert choose_method("auto", shape(1000 * 16 * KIB, 1000, 1000), no_kernel, RULE) == "staging"
-    assert choose_method("auto", shape(1 << 30, 1, 1), Engines(dma=False, kernel=False), RULE) == "staging"
+def test_auto_goes_through_the_copy_engines_while_the_other_direction_runs() -> None:
+    small_rows = shape(128 * 256 * KIB, 128, 128 * 64)
+    assert choose_method("auto", small_rows, ALL, RULE, other_busy=True) == "staging"
+    assert choose_method("auto", shape(64 << 20, 64, 64), ALL, RULE, other_busy=True) == "dma"  # long rows: DMA
+    kernel_only = Engines(dma=True, kernel=True, staging=False)  # blocks larger than a staging slot
+    assert choose_method("auto", small_rows, kernel_only, RULE, other_busy=True) == "kernel"
+    as_before = MethodRule(dma_min_bytes=256 * KIB, duplex="kernel")
+    assert choose_method("auto", small_rows, ALL, as_before, other_busy=True) == "kernel"
+
+
+def test_auto_without_triton_copies_with_dma() -> None:
+    no_kernel = Engines(dma=True, kernel=False, staging=False)
+    assert choose_method("auto", shape(1000 * 16 * KIB, 1000, 1000), no_kernel, RULE, other_busy=False) == "dma"
+    assert choose_method("auto", shape(1000 * 16 * KIB, 1000, 1000), no_kernel, RULE, other_busy=True) == "dma"
+    with pytest.raises(ValueError, match="no copy method"):
+        available("dma", Engines(dma=False, kernel=False, staging=False))
 
 
 @pytest.mark.parametrize(
     ("setting", "engines", "expected"),
     [
-        ("dma", BOTH, "dma"),
-        ("staging", BOTH, "staging"),
-        ("kernel", BOTH, "kernel"),
-        ("kernel", Engines(dma=True, kernel=False), "staging"),  # no Triton: staging with torch index ops
-        ("dma", Engines(dma=False, kernel=True), "staging"),  # no 2D memcpy binding
+        ("dma", ALL, "dma"),
+        ("staging", ALL, "staging"),
+        ("kernel", ALL, "kernel"),
+        ("kernel", Engines(dma=True, kernel=False, staging=False), "dma"),  # no Triton
+        ("staging", Engines(dma=True, kernel=True, staging=False), "kernel"),  # blocks too large to stage
+        ("dma", Engines(dma=False, kernel=True, staging=True), "kernel"),  # no 2D memcpy binding
     ],
 )
 def test_fixed_methods_and_their_fallbacks(setting: str, engines: Engines, expected: str) -> None:
-    assert choose_method(setting, shape(1 << 20, 4, 4), engines, RULE) == expected
+    assert choose_method(setting, shape(1 << 20, 4, 4), engines, RULE, other_busy=False) == expected
+    assert choose_method(setting, shape(1 << 20, 4, 4), engines, RULE, other_busy=True) == expected
     assert available(setting, engines) == expected
 
 
@@ -257,10 +257,14 @@ def test_a_packed_single_tensor_cache_moves_whole_blocks_per_row() -> None:
     assert dma_rows([Run(0, 0, 5), Run(9, 7, 1)], geo) == 2
 
 
-def test_plan_staging_batches_and_host_runs() -> None:
-    out = plan_staging([5, 6, 7, 1, 2], [10, 11, 12, 3, 30], max_blocks=3, host_block_bytes=8, boundary=0)
-    assert [b.device_ids for b in out] == [[5, 6, 7], [1, 2]]
-    assert out[0].host_runs == [Run(0, 10, 3)] and out[1].host_runs == [Run(0, 3, 1), Run(1, 30, 1)]
+def test_host_runs_of_a_staged_unit_are_cut_at_pinning_chunks() -> None:
+    host = np.array([10, 11, 12, 3, 30, 31, 32, 33], dtype=np.int64)
+    starts, lengths = host_runs(host, host_block_bytes=8, boundary=0)
+    assert starts.tolist() == [0, 3, 4] and lengths.tolist() == [3, 1, 4]
+    starts, lengths = host_runs(host, host_block_bytes=8, boundary=8 * 32)  # a chunk ends after block 31
+    assert starts.tolist() == [0, 3, 4, 6] and lengths.tolist() == [3, 1, 2, 2]
+    one = host_runs(np.array([7], dtype=np.int64), 8, 0)
+    assert one[0].tolist() == [0] and one[1].tolist() == [1]
 
 
 def test_element_size() -> None:
@@ -268,114 +272,6 @@ def test_element_size() -> None:
     assert element_size([12, 4096]) == 4
     assert element_size([6, 4096]) == 2
     assert element_size([3, 4096]) == 1
-
-
-# The staging path on CPU tensors ----------------------------------------------------------
-
-
-def _stager(fx: Fixture) -> Stager:
-    tensors = [DeviceTensor(t.untyped_storage(), t.data_ptr() - t.untyped_storage().data_ptr()) for t in fx.tensors]
-    host = fx.host.view(HOST_BLOCKS, fx.layout.num_tensors, fx.layout.chunk_bytes)
-    return Stager(fx.layout, tensors, host, torch.device("cpu"))
-
-
-def test_storage_groups_split_at_storages() -> None:
-    fx = Fixture(LAYOUT, "padded", seed=3)
-    tensors = [DeviceTensor(t.untyped_storage(), t.data_ptr() - t.untyped_storage().data_ptr()) for t in fx.tensors]
-    assert [(f, c) for f, c, _ in storage_groups(tensors)] == [(0, 2), (2, 2), (4, 2)]
-
-
-@pytest.mark.parametrize("dtype", sorted(DTYPE_BYTES))
-@pytest.mark.parametrize("placement", ["one_buffer", "separate", "descending", "padded"])
-@pytest.mark.parametrize("to_host", [True, False], ids=["d2h", "h2d"])
-def test_staging_moves_exact_bytes(dtype: str, placement: str, to_host: bool) -> None:
-    layout = KVLayout(num_layers=2, num_blocks=24, block_size=3, num_kv_heads=1, head_dim=10 // DTYPE_BYTES[dtype] or 1,
-                      dtype=dtype)  # fmt: skip
-    fx = Fixture(layout, placement, seed=DTYPE_BYTES[dtype])
-    device_ids, host_ids = id_pattern("scattered", 14, seed=9)
-    before = fx.snapshot()
-    stager = _stager(fx)
-    move = stager.to_host if to_host else stager.to_device
-    for batch in plan_staging(device_ids, host_ids, 4, layout.host_block_bytes, 3 * layout.host_block_bytes):
-        move(batch)
-    check_swap(fx, to_host, device_ids, host_ids, before)
-
-
-def test_staging_uses_wide_words_when_sizes_allow() -> None:
-    assert _stager(Fixture(LAYOUT, "one_buffer", seed=1)).elem == 8  # 32-byte chunks
-    odd = KVLayout(num_layers=1, num_blocks=8, block_size=3, num_kv_heads=1, head_dim=3, dtype="uint8")
-    assert _stager(Fixture(odd, "separate", seed=1)).elem == 1
-
-
-# The completion waiter --------------------------------------------------------------------
-
-
-class FakeEvent:
-    def __init__(self, error: Exception | None = None) -> None:
-        self.release = threading.Event()
-        self.error = error
-
-    def synchronize(self) -> None:
-        assert self.release.wait(10), "event never completed"
-        if self.error is not None:
-            raise self.error
-
-
-def _future_for(waiter: EventWaiter, event: FakeEvent, on_done: Callable[[], None] | None = None) -> Any:
-    """What a swap does: the waiter thread runs the in-flight accounting, then settles the
-    loop's future."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def finish(error: BaseException | None) -> None:
-        if on_done is not None:
-            on_done()
-        settle_threadsafe(loop, future, error)
-
-    waiter.submit(event, finish)
-    return future
-
-
-def test_event_waiter_resolves_in_order_off_the_loop() -> None:
-    waiter = EventWaiter("test-wait")
-    done: list[int] = []
-
-    async def scenario() -> None:
-        first, second, broken = FakeEvent(), FakeEvent(), FakeEvent(RuntimeError("illegal address"))
-        f1 = _future_for(waiter, first, lambda: done.append(1))
-        f2 = _future_for(waiter, second, lambda: done.append(2))
-        f3 = _future_for(waiter, broken)
-        await asyncio.sleep(0.02)
-        assert not f1.done() and not f2.done(), "resolved before the event completed"
-        second.release.set()
-        first.release.set()
-        broken.release.set()
-        await asyncio.wait_for(asyncio.gather(f1, f2), 5)
-        with pytest.raises(RuntimeError, match="illegal address"):
-            await asyncio.wait_for(f3, 5)
-
-    try:
-        asyncio.run(scenario())
-    finally:
-        waiter.close()
-    assert done == [1, 2]
-
-
-def test_event_waiter_runs_on_done_even_if_the_caller_gave_up() -> None:
-    waiter = EventWaiter("test-wait")
-    finished = threading.Event()
-    event = FakeEvent()
-
-    async def scenario() -> None:
-        future = _future_for(waiter, event, finished.set)
-        future.cancel()
-
-    try:
-        asyncio.run(scenario())
-        event.release.set()
-        assert finished.wait(5), "in-flight accounting must not depend on the awaiting task"
-    finally:
-        waiter.close()
 
 
 @pytest.mark.parametrize("seed", range(20))

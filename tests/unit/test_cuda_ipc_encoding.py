@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from cachexferd.backends.base import AttachError
-from cachexferd.backends.cuda_ipc import ImportWatch, decode_handles, import_handles, resolve_device
-from cachexferd.client.cuda_runner import check_runner_tensors
+from cachexferd.backends.cuda.ipc import ImportWatch, decode_handles, import_handles, resolve_device
+from cachexferd.cuda_tensors import check_runner_tensors
 from cachexferd.protocol import Attach, ErrorCode, KVLayout, Limits, ProtocolError, decode_command, encode_command
 from cachexferd.protocol.cuda_ipc import (
     EVENT_HANDLE_BYTES,

@@ -6,6 +6,7 @@ and through a staging buffer."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import random
 from collections.abc import Iterator
@@ -14,17 +15,19 @@ from typing import Any
 import pytest
 import torch
 
-from cachexferd.backends.cuda_copy import plan_staging
-from cachexferd.backends.cuda_pieces import (
+from cachexferd.backends.base import CancelToken, Direction
+from cachexferd.backends.cuda.device_cache import CopySettings, CudaDeviceCache
+from cachexferd.backends.cuda.fake import FakeDriver, interpreted_launcher
+from cachexferd.backends.cuda.pieces import (
     MAX_PROGRAMS,
     PieceGeometry,
     grid_size,
-    kernel_args,
+    kernel_launch,
     piece_addresses,
     program_pieces,
-    split_pairs,
     vector_shape,
 )
+from cachexferd.host_cache import HostPool
 from cachexferd.protocol import KVLayout
 
 HOST_BLOCKS = 24
@@ -38,30 +41,27 @@ def geometry(tensors: int = 6, chunk: int = 256, base: int = 1 << 40) -> PieceGe
     return PieceGeometry(tuple(base + t * stride for t in range(tensors)), chunk, chunk)
 
 
-def test_kernel_args_lay_out_the_ids_and_pick_the_widest_word() -> None:
+def test_kernel_launch_picks_the_widest_word() -> None:
     geo = geometry()
-    args = kernel_args(geo, True, [5, 9], 1 << 36, [3, 0], 6 * 256, programs=8)
-    assert args.ids == [1 << 36, 5, 9, 3, 0]
-    assert (args.pairs, args.num_tensors, args.pieces, args.nbytes) == (2, 6, 12, 12 * 256)
-    assert (args.word_bytes, args.chunk_words, args.block_stride_words, args.linear_stride_words) == (8, 32, 32, 192)
-    assert args.programs == 8 and args.to_linear
+    launch = kernel_launch(geo, table=1 << 30, to_linear=True, linear_bases=[1 << 36], linear_stride=6 * 256)
+    words = (launch.word_bytes, launch.chunk_words, launch.block_stride_words, launch.linear_stride_words)
+    assert words == (8, 32, 32, 192)
+    assert launch.to_linear and launch.tensors == 6 and launch.piece_bytes == 256
     odd = PieceGeometry((1 << 40, (1 << 40) + 999), 333, 333)
-    assert kernel_args(odd, False, [1], 0, [1], 666, programs=8).word_bytes == 1
-    assert kernel_args(geometry(chunk=6), False, [1], 2, [1], 36, programs=8).word_bytes == 2
+    assert kernel_launch(odd, 0, False, [0], 666).word_bytes == 1
+    assert kernel_launch(geometry(chunk=6), 0, False, [2], 36).word_bytes == 2
+    assert kernel_launch(geometry(), 0, True, [1 << 36, (1 << 36) + 4], 6 * 256).word_bytes == 4  # every base counts
 
 
-def test_kernel_args_refuse_what_cannot_be_right() -> None:
-    with pytest.raises(ValueError, match="differ in length"):
-        kernel_args(geometry(), True, [1, 2], 0, [1], 6 * 256, programs=8)
+def test_kernel_launch_refuses_a_linear_block_too_small() -> None:
     with pytest.raises(ValueError, match="every tensor's chunk"):
-        kernel_args(geometry(), True, [1], 0, [1], 5 * 256, programs=8)
+        kernel_launch(geometry(), 0, True, [0], 5 * 256)
 
 
 def test_grid_is_the_setting_but_never_more_than_the_pieces() -> None:
     assert grid_size(pieces=64 * 128, programs=8) == 8
     assert grid_size(pieces=5, programs=32) == 5
     assert grid_size(pieces=10**9, programs=10**6) == MAX_PROGRAMS
-    assert kernel_args(geometry(tensors=2), True, [0], 0, [0], 512, programs=32).programs == 2
 
 
 @pytest.mark.parametrize(("chunk_words", "word", "expected"), [(1, 8, (1, 1)), (32, 8, (32, 1)), (512, 8, (512, 4)),
@@ -75,22 +75,17 @@ def test_piece_addresses_follow_the_block_major_host_layout() -> None:
     layout = KVLayout(num_layers=3, num_blocks=64, block_size=4, num_kv_heads=2, head_dim=16, dtype="bfloat16")
     geo = geometry(layout.num_tensors, layout.chunk_bytes)
     host_base = 1 << 36
-    args = kernel_args(geo, True, [7, 2, 40], host_base, [1, 11, 3], layout.host_block_bytes, programs=4)
+    launch = kernel_launch(geo, 0, True, [host_base], layout.host_block_bytes)
+    ids = [host_base, 7, 2, 40, 1, 11, 3]
     expected = [
         (geo.tensor_addrs[t] + d * layout.chunk_bytes, host_base + layout.host_chunk_offset(h, t))
         for d, h in zip([7, 2, 40], [1, 11, 3])
         for t in range(layout.num_tensors)
     ]
-    assert piece_addresses(geo, args) == expected
-    covered = sorted(p for g in range(args.programs) for p in program_pieces(args, g))
-    assert covered == list(range(args.pieces)), "the persistent grid must move every piece exactly once"
-
-
-def test_split_pairs_bounds_each_launch() -> None:
-    parts = split_pairs(10, pair_bytes=100, batch_bytes=300)
-    assert [list(p) for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
-    assert split_pairs(3, pair_bytes=1000, batch_bytes=10) == [range(0, 1), range(1, 2), range(2, 3)]
-    assert split_pairs(0, 10, 10) == []
+    assert piece_addresses(geo, launch, ids) == expected
+    pieces = 3 * layout.num_tensors
+    covered = sorted(p for g in range(4) for p in program_pieces(pieces, 4, g))
+    assert covered == list(range(pieces)), "the persistent grid must move every piece exactly once"
 
 
 # The kernel, interpreted ---------------------------------------------------------------------
@@ -124,7 +119,7 @@ def interpreter_fault() -> str | None:
 def kernel() -> Iterator[Any]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
-        from cachexferd.backends import cuda_kernel
+        from cachexferd.backends.cuda import kernel as cuda_kernel
 
         fault = interpreter_fault()
         if fault is not None:
@@ -151,22 +146,23 @@ class CpuCache:
         block_size, heads, head_dim = WORD_SHAPES[dtype]
         self.layout = KVLayout(num_layers=3, num_blocks=20, block_size=block_size, num_kv_heads=heads,
                                head_dim=head_dim, dtype=dtype, kv_tensors=kv)  # fmt: skip
-        assert self.layout.chunk_bytes % 8 == 0 or dtype != "bfloat16"
         n, tb, gen = self.layout.num_tensors, self.layout.tensor_bytes, torch.Generator().manual_seed(seed)
         if one_buffer:
             flat = torch.randint(0, 256, (n * tb,), dtype=torch.uint8, generator=gen)
             self.tensors = [flat[t * tb : (t + 1) * tb] for t in range(n)]
         else:
             self.tensors = [torch.randint(0, 256, (tb,), dtype=torch.uint8, generator=gen) for _ in range(n)]
-        host_bytes = HOST_BLOCKS * self.layout.host_block_bytes
-        self.host = torch.randint(0, 256, (host_bytes,), dtype=torch.uint8, generator=gen)
+        self.pool = HostPool(max(4096, HOST_BLOCKS * self.layout.host_block_bytes))
+        self.host = self.pool.tensor[: HOST_BLOCKS * self.layout.host_block_bytes]
+        self.host.copy_(torch.randint(0, 256, tuple(self.host.shape), dtype=torch.uint8, generator=gen))
 
-    def mover(self, kernel: Any) -> Any:
-        from cachexferd.backends.cuda_kernel import Grid, PieceMover
-
-        c = self.layout.chunk_bytes
-        geo = PieceGeometry(tuple(t.data_ptr() for t in self.tensors), c, c)
-        return PieceMover(kernel, geo, self.host, self.layout.host_block_bytes, torch.device("cpu"), Grid(3, 5))
+    def device_cache(self, driver: FakeDriver, method: str) -> CudaDeviceCache:
+        """Units of at most 3 blocks (so a swap of 7 spans several), small persistent grids."""
+        hb = self.layout.host_block_bytes
+        settings = CopySettings(copy_method=method, batch_bytes=3 * hb, staging_bytes=3 * hb, programs_d2h=3,
+                                programs_h2d=5, pin_boundary=5 * hb)  # fmt: skip
+        geometry = self.pool.geometry(hb)
+        return CudaDeviceCache(driver, self.layout, [t.data_ptr() for t in self.tensors], self.pool, geometry, settings)
 
     def block(self, t: int, b: int, tensors: list[torch.Tensor] | None = None) -> torch.Tensor:
         c = self.layout.chunk_bytes
@@ -187,29 +183,31 @@ def ids_for(pattern: str, layout: KVLayout) -> tuple[list[int], list[int]]:
     return rng.sample(range(layout.num_blocks), 7), rng.sample(range(HOST_BLOCKS), 7)
 
 
-def swap(cache: CpuCache, mover: Any, mode: str, to_host: bool, dev: list[int], host: list[int]) -> None:
-    if mode == "direct":
-        mover.direct(to_host, dev, host)
-        return
-    hb = cache.layout.host_block_bytes
-    for batch in plan_staging(dev, host, 3, hb, boundary=5 * hb):  # several batches, runs cut at a "pin chunk"
-        (mover.gather if to_host else mover.scatter)(batch)
+def swap(cache: CudaDeviceCache, direction: Direction, dev: list[int], host: list[int]) -> None:
+    async def run() -> None:
+        await asyncio.wait_for(cache.swap(direction, dev, host, CancelToken()), 60)
+
+    asyncio.run(run())
 
 
 @needs_triton
-@pytest.mark.parametrize("mode", ["direct", "staging"])
+@pytest.mark.parametrize("method", ["kernel", "staging"])
 @pytest.mark.parametrize("pattern", ["contiguous", "scattered"])
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"])
 def test_kernel_moves_exact_bytes_and_nothing_else(kernel: Any, dtype: str, placement: str, pattern: str,
-                                                   mode: str) -> None:  # fmt: skip
+                                                   method: str) -> None:  # fmt: skip
+    """The Triton kernel itself (interpreted), launched by the lanes through the fake driver:
+    zero-copy, and staged (gather + batched copies of host runs, and the reverse)."""
     cache = CpuCache(dtype, placement, seed=len(dtype) + len(placement))
-    mover = cache.mover(kernel)
+    driver = FakeDriver(inline=True, launcher=interpreted_launcher(kernel))
+    device = cache.device_cache(driver, method)
     n = cache.layout.num_tensors
     dev, host = ids_for(pattern, cache.layout)
     tensors0, host0 = cache.snapshot()
-    swap(cache, mover, mode, True, dev, host)
-    assert mover.word_bytes == {"bfloat16": 8, "float8_e4m3fn": 8, "float32": 4, "float16": 2, "float8_e5m2": 1}[dtype]
+    swap(device, Direction.D2H, dev, host)
+    word = {"bfloat16": 8, "float8_e4m3fn": 8, "float32": 4, "float16": 2, "float8_e5m2": 1}[dtype]
+    assert {launch.word_bytes for launch in device.launches.values()} == {word}
     for t in range(n):
         for d, h in zip(dev, host):
             assert torch.equal(cache.chunk(t, h), cache.block(t, d)), f"swap-out: tensor {t} block {d} -> host {h}"
@@ -219,21 +217,12 @@ def test_kernel_moves_exact_bytes_and_nothing_else(kernel: Any, dtype: str, plac
 
     back = [b for b in range(cache.layout.num_blocks) if b not in dev][: len(dev)]
     tensors1, host1 = cache.snapshot()
-    swap(cache, mover, mode, False, back, host)
+    swap(device, Direction.H2D, back, host)
     for t in range(n):
         for b, d in zip(back, dev):
             assert torch.equal(cache.block(t, b), cache.block(t, d, tensors0)), f"swap-in: tensor {t} block {b}"
         for b in set(range(cache.layout.num_blocks)) - set(back):
             assert torch.equal(cache.block(t, b), cache.block(t, b, tensors1)), f"swap-in touched tensor {t} block {b}"
     assert torch.equal(cache.host, host1), "swap-in wrote to the host"
-    assert mover.launches >= 2
-
-
-@needs_triton
-def test_warm_up_writes_nothing(kernel: Any) -> None:
-    cache = CpuCache("bfloat16", "kv_pairs-one_buffer", seed=1)
-    mover = cache.mover(kernel)
-    tensors0, host0 = cache.snapshot()
-    mover.warm_up()
-    assert all(torch.equal(a, b) for a, b in zip(cache.tensors, tensors0)) and torch.equal(cache.host, host0)
-    assert mover.launches == 0
+    assert device.methods[method] == 6, device.methods  # 7 blocks, 3 a unit: 3 units each way
+    device.close()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cachexferd.backends.cpu import CpuBackend
-from cachexferd.backends.cuda_pool import (
+from cachexferd.backends.cuda.pool import (
     PAGE,
     ChunkPinner,
     PinnedHostPool,
@@ -29,7 +29,7 @@ from cachexferd.client import RunnerClient, ShmKVCache
 from cachexferd.daemon.server import Daemon
 from cachexferd.host_cache import HostPool
 
-from ..helpers import SMALL, config_for
+from ..helpers import SMALL, InProcessDaemon, config_for
 
 MIB = 1 << 20
 
@@ -232,7 +232,7 @@ def test_binding_never_raises() -> None:
 class SlowPinBackend(CpuBackend):
     """The cpu backend's copies over a pool that pins slowly (gated by the test)."""
 
-    def __init__(self, registrar: SteppedRegistrar) -> None:
+    def __init__(self, registrar: Any) -> None:
         super().__init__(copy_threads=1)
         self.registrar = registrar
         self.pinned_pools: list[PinnedHostPool] = []
@@ -312,3 +312,122 @@ def test_a_woken_waiter_sees_the_pools_new_figures() -> None:
         assert asyncio.run(wait_then_read()) == 2 * MIB
     finally:
         pool.close()
+
+
+# Pinning by several workers -----------------------------------------------------------------
+
+
+class ParallelRegistrar:
+    """Registers after a short sleep (the GIL is free meanwhile, as in cudaHostRegister),
+    recording how many registrations overlap; chunks listed in ``hold`` wait for a release."""
+
+    def __init__(self, seconds: float = 0.02, hold: set[int] | None = None, fail_at: int | None = None) -> None:
+        self.seconds, self.hold, self.fail_at = seconds, hold or set(), fail_at
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.active = self.most = 0
+        self.registered: list[int] = []
+        self.unregistered: list[int] = []
+
+    def register(self, address: int, size: int) -> None:
+        with self.lock:
+            self.active += 1
+            self.most = max(self.most, self.active)
+        try:
+            if address // MIB in self.hold:
+                assert self.release.wait(10), "never released"
+            time.sleep(self.seconds)
+            if address // MIB == self.fail_at:
+                raise RuntimeError("cudaErrorMemoryAllocation")
+            with self.lock:
+                self.registered.append(address)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+    def unregister(self, address: int) -> None:
+        self.unregistered.append(address)
+
+
+def test_workers_pin_chunks_in_parallel_and_the_ready_prefix_only_grows() -> None:
+    reg = ParallelRegistrar()
+    touched: list[int] = []
+    progress: list[tuple[int, int]] = []
+
+    def touch(address: int, size: int) -> None:
+        assert address not in reg.registered, "a chunk is touched before it is registered"
+        touched.append(address)
+
+    pinner = ChunkPinner(0, 16 * MIB, MIB, reg, lambda ready, pinned: progress.append((ready, pinned)), 4, touch)
+    pinner.start()
+    assert pinner.wait_ready(16 * MIB, 10) and pinner.done
+    assert sorted(reg.registered) == sorted(touched) == [i * MIB for i in range(16)]
+    assert reg.most >= 2, "the workers never registered two chunks at once"
+    pinned = [p for _, p in progress]
+    assert pinned == sorted(pinned) and pinned[-1] == 16 * MIB and all(r == p for r, p in progress)
+    assert pinner.describe()["workers"] == 4
+
+
+def test_a_chunk_finishing_early_waits_for_those_below_it() -> None:
+    reg = ParallelRegistrar(seconds=0.0, hold={0})
+    pinner = ChunkPinner(0, 4 * MIB, MIB, reg, workers=2)
+    pinner.start()
+    wait_until(lambda: len(reg.registered) == 3)
+    assert pinner.pinned_bytes == pinner.ready_bytes == 0, "chunk 0 is not registered yet"
+    reg.release.set()
+    assert pinner.wait_ready(4 * MIB, 10) and pinner.pinned_bytes == 4 * MIB
+
+
+def test_a_failure_with_several_workers_serves_the_rest_unpinned_and_unpins_what_was_pinned() -> None:
+    reg = ParallelRegistrar(seconds=0.005, fail_at=5)
+    pinner = ChunkPinner(0, 12 * MIB, MIB, reg, workers=3)
+    pinner.start()
+    assert pinner.wait_ready(12 * MIB, 10)
+    wait_until(lambda: pinner.done)
+    assert pinner.error is not None and "cudaErrorMemoryAllocation" in pinner.error
+    assert pinner.ready_bytes == 12 * MIB and pinner.pinned_bytes <= 5 * MIB
+    assert 5 * MIB not in reg.registered
+    pinner.unpin()
+    assert sorted(reg.unregistered) == sorted(reg.registered), "a chunk pinned beside the failure stayed pinned"
+
+
+def test_the_pool_first_touches_its_pages_before_registering_them() -> None:
+    reg = ParallelRegistrar(seconds=0.0)
+    pool = PinnedHostPool(8 * MIB, reg, 2 * MIB, workers=2)
+    try:
+        assert pool.wait_all_pinned(10)
+        assert pool.pinner.touch is not None, "MADV_POPULATE_WRITE is missing on this kernel"
+        assert bytes(pool.memory(0, 16)) == bytes(16), "touching changed the pool's bytes"
+    finally:
+        pool.close()
+
+
+class ParallelPinBackend(SlowPinBackend):
+    def create_host_pool(self, capacity: int) -> HostPool:
+        pool = PinnedHostPool(capacity, self.registrar, capacity // 16, workers=4)
+        self.pinned_pools.append(pool)
+        return pool
+
+
+def test_status_stays_live_while_several_workers_pin(short_tmp: Path) -> None:
+    reg = ParallelRegistrar(seconds=0.1)  # 16 chunks: 1.6 s one by one, about 0.4 s with 4 workers
+    config = config_for(short_tmp / "rt")
+    daemon = InProcessDaemon(config, lambda: ParallelPinBackend(reg)).start()
+    try:
+        with RunnerClient(config.endpoint, timeout_s=5) as runner:
+            waits, readies = [], []
+            while True:
+                asked = time.monotonic()
+                host = runner.status()["host_cache"]
+                waits.append(time.monotonic() - asked)
+                readies.append(host["ready_bytes"])
+                if host["pinned"]:
+                    break
+                assert len(waits) < 2000, "pinning never finished"
+                time.sleep(0.01)
+        assert readies == sorted(readies) and readies[-1] == config.host_cache.capacity
+        assert len(set(readies)) >= 3, "status never saw pinning in progress"
+        assert max(waits) < 1.0, f"status took {max(waits):.2f} s while the pool was pinning"
+        assert reg.most >= 2
+    finally:
+        daemon.stop()

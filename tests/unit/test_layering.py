@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "cachexferd"
 COMPONENTS: list[tuple[str, str]] = [
     ("cachexferd.protocol", "protocol"),
     *((f"cachexferd.{name}", "shared") for name in ("units", "procs", "zmqio", "config", "setting")),
-    *((f"cachexferd.{name}", "shared") for name in ("security", "host_cache")),
+    *((f"cachexferd.{name}", "shared") for name in ("security", "host_cache", "cuda_tensors")),
     ("=cachexferd.backends", "registries"),  # the backend tables the configuration reads: no backend code
     ("=cachexferd.storage", "registries"),
     ("cachexferd.client", "client"),
@@ -152,6 +152,26 @@ def test_integrations_are_imported_by_nothing_else() -> None:
     assert outside == []
 
 
+def test_backends_never_import_the_client() -> None:
+    """What the runner side and the cuda backend both need (a tensor list's fit to a layout,
+    a device's UUID) lives in a shared module below both."""
+    modules = {module_name(p): imports(p) for p in (PACKAGE / "backends").rglob("*.py")}
+    assert len(modules) > 10 and backend_client_imports(modules) == []
+    assert backend_client_imports({"cachexferd.backends.cuda.probe": {"cachexferd.client.cuda_runner"}}) == [
+        "cachexferd.backends.cuda.probe imports cachexferd.client.cuda_runner"
+    ], "the rule can fail"
+
+
+def backend_client_imports(modules: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{name} imports {target}"
+        for name, targets in sorted(modules.items())
+        if name.startswith("cachexferd.backends")
+        for target in sorted(targets)
+        if target.startswith("cachexferd.client")
+    ]
+
+
 def test_start_up_checks_use_only_shared_modules() -> None:
     """preflight runs before anything starts: it takes its formatting from units, not from
     another command (status), and needs nothing of the client or the daemon."""
@@ -196,3 +216,28 @@ def test_the_checker_sees_sideways_imports_and_registries_that_grow_code() -> No
     quiet = {"cachexferd.index.probe": "from ..storage.keys import KeySpace\n",
              "cachexferd.storage.probe": "if TYPE_CHECKING:\n    from ..daemon.server import Daemon\n"}  # fmt: skip
     assert upward_imports({name: imports_in(name, source) for name, source in quiet.items()}) == []
+
+
+def top_level_imports(source: str) -> set[str]:
+    """Modules a source imports when it is imported (not inside functions)."""
+    names: set[str] = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add(node.module or "")
+    return names
+
+
+def test_the_cuda_package_imports_torch_and_triton_only_where_it_runs_on_a_gpu() -> None:
+    """The driver seam, planning, lanes, methods, the fake driver and the pool import without
+    torch or Triton (they run on CPU in the tests and the cuda-fake benchmark); only the
+    backend module, which the daemon loads by name on a GPU host, imports torch up front."""
+    heavy = {"torch", "triton"}
+    found = {}
+    for path in (PACKAGE / "backends" / "cuda").glob("*.py"):
+        names = {n.split(".")[0] for n in top_level_imports(path.read_text())}
+        if names & heavy:
+            found[path.name] = sorted(names & heavy)
+    assert found == {"backend.py": ["torch"]}, found
+    assert top_level_imports("import torch\ndef f():\n    import triton\n") == {"torch"}, "the rule can fail"

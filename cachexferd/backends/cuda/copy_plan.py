@@ -1,8 +1,8 @@
-"""Copy planning for the cuda backend: which method moves a swap (``choose_method``), which
-DMA calls move it, or how it is staged.
+"""Copy planning for the cuda backend: which method moves a unit of work
+(``choose_method``), which DMA calls move it, and the host runs of a staged unit.
 
-Pure Python on plain addresses (no torch, no CUDA), so the CPU tests can execute a plan
-with memmove and check every byte.
+Pure Python and numpy on plain addresses (no torch, no CUDA), so the CPU tests can execute
+a plan with memmove and check every byte.
 
 Direct DMA ("dma"): device tensors with evenly spaced addresses form a *group*. For one
 coalesced run of ``length`` blocks and one group of ``count`` tensors, the host side is
@@ -15,13 +15,13 @@ each device tensor is block-contiguous, so one cudaMemcpy2DAsync moves either
 whichever needs fewer calls. A runner that allocates its cache as one buffer (CudaKVCache
 does) is one group, so a scattered single block costs one call.
 
-Staging ("staging"): gather the blocks on the device into a block-major staging buffer
-(one launch of the piece kernel over all layers, or without Triton one index kernel per
-group), then move whole host runs with plain copies; swap-in is the reverse. The copy
-engines carry the PCIe transfer, so it runs at full speed beside the other direction.
+Kernel ("kernel"): the piece kernel (cuda/pieces.py, cuda/kernel.py) moves pieces straight
+between device blocks and the pinned host pool (zero-copy), one launch per unit.
 
-Kernel ("kernel"): the piece kernel (cuda_pieces.py, cuda_kernel.py) moves pieces straight
-between device blocks and the pinned host pool (zero-copy), one launch per swap.
+Staging ("staging"): the piece kernel gathers the blocks into a block-major staging buffer
+on the device, then one batched DMA call moves every contiguous host run (one descriptor
+per run, a whole host block or more each); swap-in is the reverse. The copy engines carry
+the PCIe transfer, so it shares the link well with the other direction's work.
 
 Runs never cross a pinning-chunk boundary of the host pool: each chunk is its own
 cudaHostRegister range, and a copy that spans two ranges may be treated as pageable.
@@ -30,30 +30,16 @@ cudaHostRegister range, and a copy that spans two ranges may be treated as pagea
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from .plan import Run, even_groups
+from ..plan import Run, even_groups
+from .driver import Copy2D
 
 METHODS = ("auto", "dma", "staging", "kernel")
-
-
-@dataclass(frozen=True)
-class Copy2D:
-    """``height`` rows of ``width`` bytes; rows ``dpitch`` / ``spitch`` bytes apart."""
-
-    dst: int
-    dpitch: int
-    src: int
-    spitch: int
-    width: int
-    height: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.width * self.height
 
 
 @dataclass(frozen=True)
@@ -180,48 +166,6 @@ def run_lengths(device_ids: Sequence[int], host_ids: Sequence[int]) -> dict[int,
     return dict(zip(values.tolist(), runs.tolist()))
 
 
-def batches(copies: Iterable[Copy2D], batch_bytes: int) -> Iterator[list[Copy2D]]:
-    """Consecutive slices of about ``batch_bytes`` each: the unit of cancellation and of the
-    issuer's look-ahead."""
-    batch: list[Copy2D] = []
-    size = 0
-    for copy in copies:
-        batch.append(copy)
-        size += copy.nbytes
-        if size >= batch_bytes:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
-@dataclass(frozen=True)
-class StagingBatch:
-    """Blocks moved through the staging buffer in one go: row ``i`` of the buffer holds
-    ``device_ids[i]``; ``host_runs`` are Runs of (staging row, host block, length)."""
-
-    device_ids: list[int]
-    host_runs: list[Run]
-
-
-def plan_staging(
-    device_ids: Sequence[int], host_ids: Sequence[int], max_blocks: int, host_block_bytes: int, boundary: int
-) -> list[StagingBatch]:
-    out = []
-    step = max(1, max_blocks)
-    for start in range(0, len(device_ids), step):
-        hosts = host_ids[start : start + step]
-        runs: list[Run] = []
-        for row, h in enumerate(hosts):
-            last = runs[-1] if runs else None
-            if last is not None and last.host + last.length == h:
-                runs[-1] = Run(last.device, last.host, last.length + 1)
-            else:
-                runs.append(Run(row, h, 1))
-        out.append(StagingBatch(list(device_ids[start : start + step]), split_runs(runs, host_block_bytes, boundary)))
-    return out
-
-
 @dataclass(frozen=True)
 class SwapShape:
     """What the ``auto`` rule looks at, for one swap in one direction."""
@@ -238,56 +182,71 @@ class SwapShape:
 
 @dataclass(frozen=True)
 class Engines:
-    """What this backend can copy with."""
+    """What this attach can copy with."""
 
     dma: bool  # a 2D memcpy binding (cuda-python or ctypes)
     kernel: bool  # the piece kernel (Triton, and device access to the pinned pool)
+    staging: bool  # the kernel, a staging ring on the device, and blocks that fit a staging slot
 
 
 @dataclass(frozen=True)
 class MethodRule:
-    """The ``auto`` rule's thresholds (settings cuda.dma_min_bytes and cuda.staging_below)."""
+    """The ``auto`` rule's threshold (setting cuda.dma_min_bytes) and its duplex choice."""
 
     dma_min_bytes: int = 256 << 10
-    staging_below: int = 64 << 10
+    # While the other direction has work, small pieces go through the copy engines: two
+    # zero-copy kernels at once reached 52-59 GB/s together on an H100 PCIe Gen5, a gather
+    # kernel plus one DMA per direction 70-83 GB/s (docs/cuda.md, "Both directions").
+    duplex: str = "staging"
+
+
+_FALLBACKS = {"dma": ("dma", "kernel", "staging"), "kernel": ("kernel", "staging", "dma"),
+              "staging": ("staging", "kernel", "dma")}  # fmt: skip
 
 
 def available(method: str, engines: Engines) -> str:
-    """``method`` where this backend has it, else what stands in for it: staging (which
-    needs neither Triton nor a 2D binding: it falls back to torch's index ops)."""
-    if method == "kernel" and not engines.kernel:
-        return "staging"
-    if method == "dma" and not engines.dma:
-        return "staging"
-    return method
+    """``method`` where this attach has it, else the nearest one it has."""
+    have = {"dma": engines.dma, "kernel": engines.kernel, "staging": engines.staging}
+    for candidate in _FALLBACKS[method]:
+        if have[candidate]:
+            return candidate
+    raise ValueError("no copy method is available (neither a DMA binding nor the copy kernel)")
 
 
-def choose_method(setting: str, shape: SwapShape, engines: Engines, rule: MethodRule) -> str:
-    """'dma', 'staging' or 'kernel' for one swap (docs/cuda.md, "Copy methods").
+def choose_method(setting: str, shape: SwapShape, engines: Engines, rule: MethodRule, other_busy: bool) -> str:
+    """'dma', 'staging' or 'kernel' for one unit of work (docs/cuda.md, "Copy methods").
 
     ``auto``:
     1. DMA when its rows average at least ``dma_min_bytes`` (large contiguous runs: the
        copy engines reach the link's speed without using an SM);
-    2. else the zero-copy kernel, also while the other direction runs (two kernels share
-       the link less well than two DMA streams would, but measured on an H100 they still
-       beat staging, whose one DMA per scattered host block costs more than it saves);
-    3. else (no Triton): staging (torch index ops) when DMA would average fewer than
-       ``staging_below`` bytes per call, else DMA.
+    2. else, while the other direction has work, ``rule.duplex`` (staging: the copy engines
+       carry this direction's PCIe traffic);
+    3. else the zero-copy kernel (90-95% of the link one way from 16 blocks on).
     """
     if setting != "auto":
         return available(setting, engines)
     if engines.dma and shape.row_bytes >= rule.dma_min_bytes:
         return "dma"
-    if engines.kernel:
-        return "kernel"
-    if not engines.dma or shape.total_bytes < rule.staging_below * max(1, shape.dma_calls):
-        return "staging"
-    return "dma"
+    if other_busy:
+        return available(rule.duplex, engines)
+    return available("kernel", engines)
+
+
+def host_runs(
+    host_ids: np.ndarray[Any, Any], host_block_bytes: int, boundary: int
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """(first index, length) of each run of consecutive host ids, cut where the run would
+    cross a multiple of ``boundary`` bytes (a pinning chunk): a staged unit's descriptors."""
+    steps = np.diff(host_ids) != 1
+    if boundary > 0:
+        steps |= np.diff((host_ids * host_block_bytes) // boundary) != 0
+    starts = np.flatnonzero(np.concatenate(([True], steps)))
+    return starts, np.diff(np.append(starts, len(host_ids)))
 
 
 def element_size(values: Sequence[int]) -> int:
-    """Widest of 8/4/2/1 bytes dividing every value: staging kernels then move 8-byte words
-    instead of single bytes."""
+    """Widest of 8/4/2/1 bytes dividing every value: the kernel then moves 8-byte words instead
+    of single bytes."""
     for size in (8, 4, 2):
         if all(v % size == 0 for v in values):
             return size

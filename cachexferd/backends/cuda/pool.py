@@ -39,8 +39,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..host_cache import HostPool
-from .cuda_runtime import settle
+from ...host_cache import HostPool
+from .threads import start_threads
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +73,18 @@ class _Waiter:
 
 
 class ChunkPinner:
-    """Registers [address, address + capacity) in chunks on its own thread.
+    """Registers [address, address + capacity) in chunks on ``workers`` threads.
+
+    Each worker claims the next chunk, first touches it (``touch``: the kernel faults its
+    pages in, which is most of the time registration takes, and which several threads do in
+    parallel) and registers it. Chunks finish in any order; the usable prefix
+    (``pinned_bytes``) grows as the lowest ones finish.
 
     Thread-safety: ``_state`` guards the progress fields and the waiter list; it is held
-    only briefly (the event loop takes it), never across a cudaHostRegister call. Before
-    each chunk the thread claims the chunk's end under ``_state`` (``_claimed``), so
-    discard_tail() can give back pages beyond every claimed chunk without a race.
+    only briefly (the event loop takes it), never across a touch or a cudaHostRegister
+    call. A chunk is claimed under ``_state`` (``_claimed``: the end of the last chunk
+    claimed), so discard_tail() can give back pages beyond every claimed chunk without a
+    race.
     """
 
     def __init__(
@@ -88,18 +94,26 @@ class ChunkPinner:
         chunk: int,
         registrar: Registrar,
         on_progress: Callable[[int, int], None] | None = None,
+        workers: int = 1,
+        touch: Callable[[int, int], None] | None = None,
     ) -> None:
         self.address, self.capacity = address, capacity
         self.spans = chunk_spans(capacity, chunk)
         self.registrar = registrar
         self.on_progress = on_progress
+        self.workers = max(1, min(workers, len(self.spans)))
+        self.touch = touch
         self._state = threading.Lock()
         self._changed = threading.Condition(self._state)
         self._registered: list[tuple[int, int]] = []
         self._waiters: list[_Waiter] = []
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._claimed = 0  # end of the chunk being (or last) registered
+        self._threads: list[threading.Thread] = []
+        self._next = 0  # index of the next chunk to claim
+        self._finished: set[int] = set()  # chunks registered beyond the prefix
+        self._prefix = 0  # chunks 0.._prefix-1 are registered
+        self._running = 0  # workers still working
+        self._claimed = 0  # end of the last chunk claimed
         self.pinned_bytes = 0  # registered prefix
         self.ready_bytes = 0  # usable prefix: pinned_bytes, or capacity after a failure
         self.error: str | None = None
@@ -108,36 +122,59 @@ class ChunkPinner:
 
     def start(self) -> None:
         self.started_at = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="cx-pin", daemon=True)
-        self._thread.start()
+        self._running = self.workers
+        self._threads = start_threads(self.workers, self._work, "cx-pin")
 
-    def _run(self) -> None:
-        for offset, size in self.spans:
-            with self._state:
-                if self._stop.is_set():
-                    break
-                self._claimed = offset + size
+    def _claim(self) -> int | None:
+        with self._state:
+            if self._stop.is_set() or self.error is not None or self._next >= len(self.spans):
+                return None
+            index, self._next = self._next, self._next + 1
+            offset, size = self.spans[index]
+            self._claimed = max(self._claimed, offset + size)
+            return index
+
+    def _work(self) -> None:
+        while (index := self._claim()) is not None:
+            offset, size = self.spans[index]
             try:
+                if self.touch is not None:
+                    self.touch(self.address + offset, size)
                 self.registrar.register(self.address + offset, size)
             except Exception as exc:
                 if not self._stop.is_set():
                     self._fail(offset, exc)
                 break
-            with self._state:
-                self._registered.append((offset, size))
-            self._advance(offset + size, offset + size)
+            self._chunk_done(index)
         with self._state:
-            self._claimed = self.pinned_bytes
-        self.finished_at = time.monotonic()
-        log.info("host pool: %s", self.describe())
+            self._running -= 1
+            last = self._running == 0
+            if last:  # from now on, only registered pages are off limits to discard_tail()
+                self._claimed = max((offset + size for offset, size in self._registered), default=0)
+        if last:
+            self.finished_at = time.monotonic()
+            log.info("host pool: %s", self.describe())
+
+    def _chunk_done(self, index: int) -> None:
+        with self._state:
+            self._registered.append(self.spans[index])
+            self._finished.add(index)
+            while self._prefix in self._finished:
+                self._finished.discard(self._prefix)
+                self._prefix += 1
+            end = self.spans[self._prefix - 1][0] + self.spans[self._prefix - 1][1] if self._prefix else 0
+            grew = end > self.pinned_bytes and self.error is None
+        if grew:
+            self._advance(end, end)
 
     def _fail(self, offset: int, exc: Exception) -> None:
-        self.error = f"{type(exc).__name__}: {exc}"
+        with self._state:
+            self.error = f"{type(exc).__name__}: {exc}"
         log.error(
             "host pool: pinning stopped at byte %d of %d (%s); serving the rest unpinned (slower copies)",
             offset, self.capacity, self.error,
         )  # fmt: skip
-        self._advance(offset, self.capacity)
+        self._advance(self.pinned_bytes, self.capacity)
 
     def _advance(self, pinned: int, ready: int) -> None:
         if self.on_progress is not None:  # first: a woken waiter must see the pool's new figures
@@ -180,10 +217,10 @@ class ChunkPinner:
         return self.finished_at is not None
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        """Stops after the chunk in progress; fails the waiters still queued."""
+        """Stops after the chunks in progress; fails the waiters still queued."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        for thread in self._threads:
+            thread.join(timeout_s)
         with self._state:
             waiters, self._waiters = self._waiters, []
         for waiter in waiters:
@@ -216,11 +253,22 @@ class ChunkPinner:
             "pinned_bytes": self.pinned_bytes,
             "capacity_bytes": self.capacity,
             "chunks": len(self.spans),
+            "workers": self.workers,
             "done": self.done,
             "seconds": round(elapsed, 3),
             "gib_per_s": round(self.pinned_bytes / elapsed / (1 << 30), 3) if elapsed > 0 else 0.0,
             "error": self.error,
         }
+
+
+def settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    """Completes an asyncio future from the loop thread (via call_soon_threadsafe)."""
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
 
 
 def _call_soon(waiter: _Waiter, error: BaseException | None) -> None:
@@ -238,7 +286,11 @@ class PinnedHostPool(HostPool):
         chunk: int,
         numa_node: int | None = None,
         start: bool = True,
+        workers: int = 1,
+        touch: Callable[[int, int], None] | None = None,
     ) -> None:
+        """``workers`` threads pin in parallel; ``touch`` faults a chunk's pages in before it
+        is registered (default: populate_pages where the kernel can)."""
         super().__init__(capacity)
         if hasattr(mmap, "MADV_DONTFORK"):
             self._map.madvise(mmap.MADV_DONTFORK)
@@ -247,7 +299,8 @@ class PinnedHostPool(HostPool):
         if numa_node is not None:
             self.numa_error = try_bind_memory(self.address, capacity, numa_node)
         self.ready_bytes = 0
-        self.pinner = ChunkPinner(self.address, capacity, chunk, registrar, self._on_progress)
+        touch = touch if touch is not None else populate_pages if can_populate() else None
+        self.pinner = ChunkPinner(self.address, capacity, chunk, registrar, self._on_progress, workers, touch)
         if start:
             self.pinner.start()
 
@@ -285,6 +338,41 @@ class PinnedHostPool(HostPool):
 
     def describe_pinning(self) -> dict[str, Any]:
         return {**self.pinner.describe(), "numa_node": self.numa_node, "numa_error": self.numa_error}
+
+
+# First touch ------------------------------------------------------------------------------
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in, writable, without writing to them
+
+
+def _madvise(address: int, length: int, advice: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(address, length, advice) != 0:
+        return ctypes.get_errno()
+    return 0
+
+
+def can_populate() -> bool:
+    """Whether this kernel has MADV_POPULATE_WRITE (asked once, on one page of scratch)."""
+    probe = mmap.mmap(-1, PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(probe))
+        ok = _madvise(address, PAGE, _MADV_POPULATE_WRITE) == 0
+        del address
+    finally:
+        with contextlib.suppress(BufferError):
+            probe.close()
+    return ok
+
+
+def populate_pages(address: int, length: int) -> None:
+    """Faults in [address, address + length) without changing its bytes (the kernel does
+    the work, with the GIL released): registering it afterwards finds every page present.
+    Storage reads may already have written to the pool there, so nothing is overwritten."""
+    err = _madvise(address, length, _MADV_POPULATE_WRITE)
+    if err:
+        raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
 
 
 # NUMA -----------------------------------------------------------------------------------

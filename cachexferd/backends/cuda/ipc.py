@@ -15,11 +15,12 @@ the import bookkeeping with fakes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..client.cuda_runner import device_uuid
-from ..protocol import KVLayout, ProtocolError
-from ..protocol.cuda_ipc import (
+from ...cuda_tensors import device_uuid
+from ...protocol import KVLayout, ProtocolError
+from ...protocol.cuda_ipc import (
     EVENT_HANDLE_BYTES,
     SharedStorage,
     TensorRef,
@@ -27,7 +28,10 @@ from ..protocol.cuda_ipc import (
     decode_tensors,
     normalize_uuid,
 )
-from .base import AttachError
+from ..base import AttachError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def refusal(exc: ProtocolError) -> AttachError:
@@ -180,3 +184,27 @@ def resolve_device(spec: str, rank: int, uuids: Sequence[str]) -> int:
     if wanted not in uuids:
         raise ValueError(f"cuda.device {spec!r} is not among the visible devices {list(uuids)}")
     return list(uuids).index(wanted)
+
+
+# Device tensors ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceTensor:
+    """One device KV tensor: ``offset`` bytes into an (imported or local) storage, which
+    this keeps alive (and with it the IPC mapping) until the cache closes."""
+
+    storage: torch.UntypedStorage
+    offset: int
+
+    @property
+    def address(self) -> int:
+        return int(self.storage.data_ptr()) + self.offset
+
+
+def from_tensors(tensors: Sequence[torch.Tensor]) -> list[DeviceTensor]:
+    out = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        out.append(DeviceTensor(storage, t.data_ptr() - storage.data_ptr()))
+    return out

@@ -1,29 +1,24 @@
-"""The CUDA runtime calls torch does not expose, and the completion-event waiter.
+"""The 2D-memcpy bindings of the DMA method, and the libcudart that torch loaded.
 
 torch has no 2D memcpy, and its own ``copy_`` between a strided host view and a device
 tensor goes through a pageable temporary. So DMA calls go through one of two bindings:
 - ``cuda-python`` (``cuda.bindings.runtime``, or the older ``cuda.cudart``) when installed;
 - ``ctypes`` on the libcudart that torch itself loaded (found in /proc/self/maps): every
   argument of cudaMemcpy2DAsync is a scalar, so no struct layout is involved.
-Both use torch's streams by handle and the device's primary context, which torch and the
-bindings share. With neither (``memcpy_api = "torch"``) every swap is staged.
+Both use the device's primary context, which torch and the bindings share. With neither
+(``memcpy_api = "torch"``) the DMA method is off and the kernel methods copy everything.
 
 Nothing CUDA-only is imported at module import time.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import ctypes
 import logging
-import queue
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from .cuda_copy import Copy2D
+from .driver import Copy2D
 
 log = logging.getLogger(__name__)
 
@@ -176,68 +171,5 @@ def load_memcpy(api: str) -> Memcpy | None:
             return CtypesMemcpy(path)
         if api == "ctypes":
             raise RuntimeError("cuda.memcpy_api = 'ctypes' but no libcudart is loaded in this process")
-    log.warning("no 2D memcpy binding (cuda.memcpy_api=%s): every swap goes through the staging buffer", api)
+    log.warning("no 2D memcpy binding (cuda.memcpy_api=%s): the DMA method is off", api)
     return None
-
-
-# Completion ------------------------------------------------------------------------------
-
-
-class Waitable(Protocol):
-    def synchronize(self) -> None: ...
-
-
-class EventWaiter:
-    """A thread that waits for completion events in order and calls each one's ``finish``
-    (a swap's: its in-flight accounting, then ``settle_threadsafe`` of its future).
-
-    Events are created with blocking sync, so the wait sleeps instead of spinning, and the
-    event loop never calls a synchronize: it only awaits the future.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Waitable, Callable[[BaseException | None], None]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, event: Waitable, finish: Callable[[BaseException | None], None]) -> None:
-        """Calls ``finish`` on the waiter thread once ``event`` completed (or failed); any
-        thread may submit."""
-        self._queue.put((event, finish))
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            event, finish = item
-            error: BaseException | None = None
-            try:
-                event.synchronize()
-            except Exception as exc:  # a CUDA error surfaces here; the swap reports it
-                error = exc
-            finish(error)
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout_s)
-
-
-def settle_threadsafe(
-    loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], error: BaseException | None
-) -> None:
-    """settle() on the loop's thread, from any thread."""
-    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-        loop.call_soon_threadsafe(settle, future, error)
-
-
-def settle(future: asyncio.Future[None], error: BaseException | None) -> None:
-    """Completes an asyncio future from the loop thread (via call_soon_threadsafe)."""
-    if future.done():
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
