@@ -193,9 +193,10 @@ def test_an_unsupported_vllm_is_refused_with_one_line(monkeypatch: pytest.Monkey
 
     check_version(VLLM_VERSION)  # the running one is supported (the plug-in imported)
     check_version("0.32.7")
+    check_version("0.33.1")
     with pytest.raises(UnsupportedVllmError) as refused:
-        check_version("0.33.0")
+        check_version("0.34.0")
     message = str(refused.value)
-    assert "\n" not in message and "0.32.x" in message and "0.33.0" in message
+    assert "\n" not in message and "0.32.x, 0.33.x" in message and "0.34.0" in message
     monkeypatch.setenv("CACHEXFERD_VLLM_ANY_VERSION", "1")
-    check_version("0.33.0")
+    check_version("0.34.0")

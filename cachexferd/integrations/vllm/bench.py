@@ -76,8 +76,9 @@ def page_bytes_per_block(args: argparse.Namespace) -> int:
 def engine(
     args: argparse.Namespace, model: Path, endpoint: str | None, kv_blocks: int | None = None, scale: int = 1
 ) -> Any:
-    from vllm import LLM
+    from .vllm_api import offline_engine
 
+    LLM, _ = offline_engine()  # noqa: N806 (vLLM's class)
     kv_blocks = kv_blocks or args.gpu_blocks
     extra: dict[str, Any] = {}
     if endpoint is not None:
@@ -97,8 +98,9 @@ def engine(
 
 
 def ttft(llm: Any, tokens: list[int]) -> tuple[float, int]:
-    from vllm import SamplingParams
+    from .vllm_api import offline_engine
 
+    _, SamplingParams = offline_engine()  # noqa: N806 (vLLM's class)
     start = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": tokens}], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     return time.perf_counter() - start, int(out[0].num_cached_tokens or 0)

@@ -33,6 +33,7 @@ from .vllm_api import (
     VllmConfig,
     backing_sizes,
     instance_id,
+    manager_lock,
     replicated_kv,
 )
 from .worker import CachexferdWorker
@@ -134,5 +135,6 @@ class CachexferdConnector(OffloadingConnector):
         if isinstance(meta, CachexferdWorkerMetadata) and meta.failed_keys:
             manager = self.scheduler.manager
             if isinstance(manager, CachexferdManager):
-                manager.mark_failed(meta.failed_keys)
+                with manager_lock(manager):  # vLLM 0.33's rule; vLLM takes it itself below
+                    manager.mark_failed(meta.failed_keys)
         super().update_connector_output(connector_output)
