@@ -78,7 +78,7 @@ def engine(
 ) -> Any:
     from .vllm_api import offline_engine
 
-    LLM, _ = offline_engine()  # noqa: N806 (vLLM's class)
+    LLM, _ = offline_engine()
     kv_blocks = kv_blocks or args.gpu_blocks
     extra: dict[str, Any] = {}
     if endpoint is not None:
@@ -100,7 +100,7 @@ def engine(
 def ttft(llm: Any, tokens: list[int]) -> tuple[float, int]:
     from .vllm_api import offline_engine
 
-    _, SamplingParams = offline_engine()  # noqa: N806 (vLLM's class)
+    _, SamplingParams = offline_engine()
     start = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": tokens}], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     return time.perf_counter() - start, int(out[0].num_cached_tokens or 0)
