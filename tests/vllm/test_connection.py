@@ -40,7 +40,7 @@ def names(model: str = "m", layers: int = 2, tp: int = 1) -> VllmKeyNames:
     layout = layout_name(layers=layers, block_bytes=16384, tokens_per_block=32, kv_cache_layout="LBHNC",
                          hash_algo="sha256")  # fmt: skip
     return VllmKeyNames.create(model=model, weights_version="0", dtype="bfloat16", layout=layout,
-                               tokens_per_block={0: 32}, tp_size=tp)  # fmt: skip
+                               tokens_per_block={0: 32, 1: 32}, tp_size=tp)  # fmt: skip
 
 
 def test_storage_keys_match_only_the_same_model_and_layout() -> None:
