@@ -14,8 +14,12 @@ if ! scripts/install-test-tools.sh; then
     exit 1
   fi
 fi
+# Every CACHEXFERD_* variable is a daemon setting (docs/operations.md, "Configuration"), and
+# the daemons the tests start inherit the environment: this script's own switch must not reach them.
+skip_vllm=${CACHEXFERD_SKIP_VLLM:-}
+unset CACHEXFERD_SKIP_VLLM
 .venv/bin/python -m pytest -p no:cacheprovider "$@"
-[ $# -eq 0 ] && [ "${CACHEXFERD_SKIP_VLLM:-}" != "1" ] || exit 0
+[ $# -eq 0 ] && [ "$skip_vllm" != "1" ] || exit 0
 if ! scripts/setup-vllm.sh; then
   if [ "${CI:-}" = "true" ]; then
     echo "test: CI needs the vLLM venv (scripts/setup-vllm.sh)" >&2
