@@ -8,6 +8,7 @@ answers every command and lets go of the memory."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,12 @@ def test_detach_with_copies_in_flight_answers_every_command(fake_gpu: Any) -> No
         ids = list(range(40))
         driver.pause()  # the device holds the first units: later ones wait, then get cancelled
         req_ids = [engine.swap_out(ids, ids) if i % 2 else engine.swap_in(ids, ids) for i in range(8)]
+        # The engine's socket is not the runner's: let the daemon accept all eight before the
+        # DETACH, or a late one is (rightly) refused NOT_ATTACHED instead of cancelled.
+        deadline = time.monotonic() + 30
+        while sum(runner.status()["commands"].values()) < len(req_ids):
+            assert time.monotonic() < deadline, "the daemon never held the eight swaps"
+            time.sleep(0.01)
         driver.resume()
         reply = runner.detach(drain_timeout_s=0.0)
         assert reply["state"] == "detached" and runner.status()["device"]["state"] == "detached"
