@@ -20,7 +20,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/s
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_tiny_benchmark_reports_both_engines(tmp_path: Path) -> None:
+def test_tiny_benchmark_reports_every_engine(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     argv = [sys.executable, "-m", "cachexferd.integrations.vllm.bench", "--conversations", "2", "--turns", "2",
             "--history-tokens", "128", "--user-tokens", "32", "--reply-tokens", "32", "--gpu-blocks", "16",
@@ -35,11 +35,14 @@ def test_tiny_benchmark_reports_both_engines(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert sorted((r["engine"], r["conversation"], r["turn"]) for r in rows) == sorted(
-        (engine, conv, turn) for engine in ("recompute", "cachexferd") for conv in range(2) for turn in range(2)
+        (engine, conv, turn)
+        for engine in ("recompute", "cachexferd", "roomy")
+        for conv in range(2)
+        for turn in range(2)
     )
     assert all(r["ttft_s"] > 0 and r["prompt_tokens"] >= 160 for r in rows), rows
     assert data["daemon"]['cachexferd_transfer_bytes_total{direction="d2h"}'] > 0, data["daemon"]
-    assert "first turns" in proc.stdout and "cachexferd" in proc.stdout
+    assert "first turns" in proc.stdout and "cachexferd" in proc.stdout and "cachexferd / roomy" in proc.stdout
     assert "cachexferd_batches_total" in data["daemon"] and "daemon commands:" in proc.stdout
     assert set(Path(tempfile.gettempdir()).glob("cxb-*")) == scratch, "the benchmark left its scratch behind"
     memory = data["memory"]
