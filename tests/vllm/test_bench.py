@@ -34,12 +34,9 @@ def test_tiny_benchmark_reports_every_engine(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     rows = data["rows"]
-    assert sorted((r["engine"], r["conversation"], r["turn"]) for r in rows) == sorted(
-        (engine, conv, turn)
-        for engine in ("recompute", "cachexferd", "roomy")
-        for conv in range(2)
-        for turn in range(2)
-    )
+    engines = ("recompute", "cachexferd", "roomy")
+    want = sorted((engine, conv, turn) for engine in engines for conv in range(2) for turn in range(2))
+    assert sorted((r["engine"], r["conversation"], r["turn"]) for r in rows) == want
     assert all(r["ttft_s"] > 0 and r["prompt_tokens"] >= 160 for r in rows), rows
     assert data["daemon"]['cachexferd_transfer_bytes_total{direction="d2h"}'] > 0, data["daemon"]
     assert "first turns" in proc.stdout and "cachexferd" in proc.stdout and "cachexferd / roomy" in proc.stdout
