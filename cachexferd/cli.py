@@ -147,6 +147,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _run_daemon(config: Config, log: logging.Logger) -> int:
     """Runs the daemon until it stops. A start that fails undoes itself (Daemon.start owns
     that clean-up); here it only becomes the exit status and the one line."""
+    from .priority import raise_priority
+
+    log.info("%s", raise_priority(config.daemon.nice))  # before the imports and threads below: they inherit it
     import uvloop
 
     from .daemon.server import Daemon

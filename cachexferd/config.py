@@ -88,6 +88,11 @@ class DaemonConfig:
     loop_stall_s: float = field(
         default=10.0, metadata=_meta("liveness (/healthz) fails once the event loop has not run for this long", lo=1.0)
     )
+    nice: int = field(
+        default=-10,
+        metadata=_meta("CPU priority of the daemon's threads and autogroup (-20..19; lower runs first); raising "
+                       "it needs root or CAP_SYS_NICE, else it is kept and logged", lo=-20, hi=19),
+    )  # fmt: skip
     log_level: str = field(
         default="info", metadata=_meta("debug, info, warning, error", choices=("debug", "info", "warning", "error"))
     )

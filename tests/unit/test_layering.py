@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "cachexferd"
 COMPONENTS: list[tuple[str, str]] = [
     ("cachexferd.protocol", "protocol"),
     *((f"cachexferd.{name}", "shared") for name in ("units", "procs", "zmqio", "config", "setting")),
-    *((f"cachexferd.{name}", "shared") for name in ("security", "host_cache", "cuda_tensors")),
+    *((f"cachexferd.{name}", "shared") for name in ("security", "host_cache", "cuda_tensors", "priority")),
     ("=cachexferd.backends", "registries"),  # the backend tables the configuration reads: no backend code
     ("=cachexferd.storage", "registries"),
     ("cachexferd.client", "client"),

@@ -114,3 +114,25 @@ KINDS = {
     "gdn": Kind(gdn, 384, 2 * 384 + 16, 40 * 98304, {"block_size": None, "max_model_len": 1024}),
     "mla": Kind(mla, 16, 12 * 16 + 8, 192 * 18432, {"block_size": 16, "max_model_len": 1024}),
 }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cachexferd.integrations.vllm.tiny_models KIND DIR``: makes the checkpoint
+    (once; an existing one is kept) and prints its directory, for trying the plug-in with
+    nothing downloaded."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m cachexferd.integrations.vllm.tiny_models", description=main.__doc__
+    )
+    parser.add_argument("kind", choices=sorted(KINDS), help="the model kind")
+    parser.add_argument("directory", type=Path, help="where the checkpoint goes")
+    args = parser.parse_args(argv)
+    if not (args.directory / "config.json").exists():
+        KINDS[args.kind].build(args.directory)
+    print(args.directory.resolve())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -261,8 +261,10 @@ class CachexferdWorker(OffloadingWorker):
     def _file(self, completions: list[Completion]) -> None:
         for done in completions:
             part = self._parts.pop(done.req_id, None)
-            if part is None:
-                continue  # given up on already (or its job failed)
+            if part is None:  # given up on already (or its job failed)
+                if log.isEnabledFor(logging.DEBUG):
+                    _log_timeline(done, 0, late=True)
+                continue
             codes = {o.code for o in done.outcomes.values()}
             if not done.ok and codes & RESTART_ERRORS:
                 self._fail_part(part, done.describe())
@@ -273,11 +275,7 @@ class CachexferdWorker(OffloadingWorker):
 
     def _complete_part(self, part: _Part, done: Completion) -> None:
         if log.isEnabledFor(logging.DEBUG):
-            result = done.result() if done.ok else {}
-            run_s = float(result.get("finished_at", 0.0)) - float(result.get("started_at", 0.0))
-            log.debug("cachexferd: %s of %d blocks %s: %.1f ms from submit to completion, %.1f ms copying",
-                      done.op.name, len(part.host_ids), "ok" if done.ok else done.describe(),
-                      done.latency_s * 1000, run_s * 1000)  # fmt: skip
+            _log_timeline(done, len(part.host_ids))
         if part.job is None:  # a storage write: a failure only means a later storage miss
             if not done.ok or done.min_result("stored") < len(part.keys):
                 self.failures.note("storage write", done.describe())
@@ -407,3 +405,20 @@ class CachexferdWorker(OffloadingWorker):
             self.failures.flush(force=True)
         self.conn.close()
         log.info("cachexferd: worker rank %d done: %s", self.rank, self.stats)
+
+
+def _log_timeline(done: Completion, blocks: int, late: bool = False) -> None:
+    """Where a command's time went: before the daemon started it (socket, queue, a daemon
+    not scheduled), copying, and after it ended until this worker read its outcome (a
+    worker thread not scheduled). The daemon's times are on its monotonic clock, which on
+    one Linux host is the clock of every process, this one's included."""
+    result = done.result() if done.ok else {}
+    started, ended = float(result.get("started_at", 0.0)), float(result.get("finished_at", 0.0))
+    what = "given up, its outcome came" if late else "done"
+    if not started:
+        log.debug("cachexferd: %s of %d blocks %s, %s after %.1f ms", done.op.name, blocks, done.describe(), what,
+                  done.latency_s * 1000)  # fmt: skip
+        return
+    log.debug("cachexferd: %s of %d blocks %s after %.1f ms: %.1f ms until the daemon started it, %.1f ms copying, "
+              "%.1f ms until the outcome was read", done.op.name, blocks, what, done.latency_s * 1000,
+              (started - done.submitted) * 1000, (ended - started) * 1000, (done.finished - ended) * 1000)  # fmt: skip
