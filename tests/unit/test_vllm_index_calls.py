@@ -4,7 +4,7 @@ chains per KV-cache group, and the block-by-block fallbacks when a whole call ca
 from __future__ import annotations
 
 from cachexferd.index import OffloadIndex
-from cachexferd.integrations.vllm.index_calls import Chains, prepare_loads, prepare_stores
+from cachexferd.integrations.engine.index_calls import Chains, prepare_loads, prepare_stores
 from cachexferd.storage.keys import KeySpace
 
 SPACE = KeySpace("m", "float16", "layout", 4)

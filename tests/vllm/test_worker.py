@@ -16,8 +16,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup-vl
 
 from cachexferd.client import EngineClient
 from cachexferd.client.runner import ShmKVCache
-from cachexferd.integrations.vllm import liveness
-from cachexferd.integrations.vllm.connection import DaemonConnection
+from cachexferd.integrations.engine import liveness
+from cachexferd.integrations.engine.connection import DaemonConnection
 from cachexferd.integrations.vllm.keys import VllmKeyNames
 from cachexferd.integrations.vllm.transfer_specs import HostLoadSpec, HostStoreSpec
 from cachexferd.integrations.vllm.vllm_api import GPULoadStoreSpec

@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .kv_memory import SegmentAllocation
+from ..engine.kv_memory import SegmentAllocation
 from .manager import CachexferdManager
 from .spec import RUNTIME_KEY, CachexferdOffloadingSpec
 from .vllm_api import (

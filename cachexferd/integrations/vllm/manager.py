@@ -24,11 +24,11 @@ from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from ...index import OffloadIndex
-from .connection import DaemonConnection
+from ..engine.connection import DaemonConnection
+from ..engine.index_calls import Chains, prepare_loads, prepare_stores
+from ..engine.options import PluginOptions
 from .events import TierEvents
-from .index_calls import Chains, prepare_loads, prepare_stores
 from .keys import VllmKeyNames
-from .options import PluginOptions
 from .prefetch import StoragePrefetch
 from .transfer_specs import HostLoadSpec, HostStoreSpec
 from .vllm_api import (

@@ -8,12 +8,12 @@ from typing import Any
 import torch
 
 from ...client.shm_segment import ShmSegment
-from .connection import DaemonConnection
+from ..engine.connection import DaemonConnection
+from ..engine.kv_memory import SegmentAllocation
+from ..engine.options import PluginOptions
+from ..engine.shm_cache import VllmCacheError, page_cache
 from .keys import VllmKeyNames, layout_name
-from .kv_memory import SegmentAllocation
 from .manager import CachexferdManager
-from .options import PluginOptions
-from .shm_cache import VllmCacheError, page_cache
 from .vllm_api import CanonicalKVCaches, OffloadingConfig, OffloadingManager, OffloadingSpec, OffloadingWorker
 from .worker import CachexferdWorker, WorkerTimes
 

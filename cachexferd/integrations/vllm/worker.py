@@ -40,8 +40,8 @@ from typing import Any
 from ...client import EngineClient
 from ...client.pending import Completion
 from ...protocol import MsgType
-from .connection import RESTART_ERRORS, DaemonConnection
-from .failures import FailureLog
+from ..engine.connection import RESTART_ERRORS, DaemonConnection
+from ..engine.failures import FailureLog
 from .keys import VllmKeyNames, group_of
 from .transfer_specs import HostLoadSpec, HostStoreSpec
 from .vllm_api import GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, OffloadKey, TransferResult
