@@ -184,7 +184,7 @@ def test_refusing_daemon_is_retried_once_per_interval(short_tmp: Path, cache: Sh
 
 
 def _lineage_in_child(queue: Any) -> None:
-    from cachexferd.integrations.engine.liveness import vllm_lineage
+    from cachexferd.integrations.vllm.processes import vllm_lineage
 
     queue.put(vllm_lineage())
 
@@ -195,7 +195,8 @@ def test_a_spawned_process_watches_the_process_that_started_it() -> None:
     import subprocess
     import sys
 
-    from cachexferd.integrations.engine.liveness import orphaned, vllm_lineage
+    from cachexferd.integrations.engine.liveness import orphaned
+    from cachexferd.integrations.vllm.processes import vllm_lineage
 
     assert vllm_lineage() == [], "a process the user started watches nothing above it"
     ctx = multiprocessing.get_context("spawn")

@@ -5,7 +5,7 @@ The index (``cachexferd.index``) is the brain: it knows which blocks are in the 
 and never reuses a block with a transfer in flight. This adapter translates vLLM's calls
 (one offload key at a time for lookups, batches for stores and loads) into index calls and
 the index's plans into the specs the workers execute. Each request's stores are linked into
-one chain per KV-cache group (index_calls.py), so eviction takes a conversation's tail first.
+one chain per KV-cache group (engine/index_calls.py), so eviction takes a conversation's tail first.
 
 It also keeps a connection to every rank's daemon, which gives the host tier's size (the
 smallest host cache over the ranks, from the STATUS its probes ask for) and notices what

@@ -8,7 +8,7 @@ write-through STOREs. Completions are drained by ``poll()`` when vLLM asks for f
 jobs, once per step.
 
 Never holding vLLM up:
-- a job is only sent to a daemon that is up and answering (connection.py); otherwise it
+- a job is only sent to a daemon that is up and answering (engine/connection.py); otherwise it
   fails at once: a load is recomputed, a store skipped;
 - a load (or a store vLLM waits for, ``wait``) whose daemon has answered nothing since it
   was sent is given up after ``max_stall_s``: vLLM recomputes it. A load carries that

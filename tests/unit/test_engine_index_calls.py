@@ -1,4 +1,4 @@
-"""The vLLM plug-in's index calls (no vLLM needed): whole-call placement, per-request
+"""The engine-side index calls (no engine needed): whole-call placement, per-request
 chains per KV-cache group, and the block-by-block fallbacks when a whole call cannot go."""
 
 from __future__ import annotations
