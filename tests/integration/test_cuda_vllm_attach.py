@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cachexferd.client import EngineClient, RunnerClient
-from cachexferd.integrations.vllm.shm_cache import cuda_page_cache
+from cachexferd.integrations.engine.shm_cache import cuda_page_cache
 from cachexferd.launch import DaemonProcess
 
 from ..vllm_layouts import LAYOUTS, VllmShape, allocate

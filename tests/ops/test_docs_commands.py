@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cachexferd.cli import build_parser
-from cachexferd.integrations.vllm.options import PluginOptions
+from cachexferd.integrations.engine.options import PluginOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

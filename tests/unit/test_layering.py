@@ -6,6 +6,8 @@ backends | storage backends | metrics (independent of each other) -> daemon -> i
 (imported by nothing else) -> the commands (cli, demo, bench, status, launch, ...) on top.
 Every import that runs counts, also one inside a function: a lazy import still runs upward
 when it runs. Imports for the type checker alone (under ``if TYPE_CHECKING:``) do not.
+Within integrations, the engine-side parts (integrations.engine) import no engine and no
+integration of one; an integration (integrations.vllm) imports them.
 """
 
 from __future__ import annotations
@@ -150,6 +152,52 @@ def test_integrations_are_imported_by_nothing_else() -> None:
         if target.startswith("cachexferd.integrations")
     ]
     assert outside == []
+
+
+# Engine packages the engine-side parts never import (also not lazily): they serve every engine.
+ENGINES = ("vllm", "sglang", "tensorrt_llm", "lmdeploy", "text_generation_server")
+
+
+def test_the_engine_parts_import_no_engine_and_no_engine_integration() -> None:
+    """cachexferd.integrations.engine serves any engine: it imports neither an engine nor an
+    integration of one (cachexferd.integrations.vllm); the integrations import it."""
+    sources = {module_name(p): p.read_text() for p in (PACKAGE / "integrations").rglob("*.py")}
+    engine = {name: source for name, source in sources.items() if name.startswith("cachexferd.integrations.engine")}
+    assert len(engine) > 5 and engine_part_imports(engine) == []
+    vllm = {name: source for name, source in sources.items() if name.startswith("cachexferd.integrations.vllm")}
+    assert any(t.startswith("cachexferd.integrations.engine") for n, s in vllm.items() for t in imports_in(n, s)), (
+        "the vLLM integration imports the engine parts"
+    )
+    assert engine_part_imports(vllm) == [], "only the engine parts are held to this"
+    probes = {
+        "cachexferd.integrations.engine.probe": "from ..vllm.keys import VllmKeyNames\n",
+        "cachexferd.integrations.engine.probe2": "def f():\n    import vllm.config\n",
+        "cachexferd.integrations.engine.probe3": "def f():\n    from sglang.srt import server_args\n",
+        "cachexferd.integrations.engine.probe4": "from cachexferd.integrations.vllm import processes\n",
+    }
+    assert [p.split(" ")[0] for p in engine_part_imports(probes)] == sorted(probes), "the rule can fail"
+
+
+def engine_part_imports(sources: dict[str, str]) -> list[str]:
+    """Imports of an engine or of an engine's integration by a module of the engine parts."""
+    problems = []
+    for name, source in sorted(sources.items()):
+        if not name.startswith("cachexferd.integrations.engine"):
+            continue
+        own = imports_in(name, source, name.rpartition(".")[2] == "engine")
+        found = {t for t in own if t.startswith("cachexferd.integrations.") and component_of_integration(t) != "engine"}
+        for node in _running_nodes(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.split(".")[0] in ENGINES}
+            elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in ENGINES:
+                found.add(node.module or "")
+        problems += [f"{name} imports {target}" for target in sorted(found)]
+    return problems
+
+
+def component_of_integration(module: str) -> str:
+    """'engine', 'vllm', ... for cachexferd.integrations.<that>[...]."""
+    return module.split(".")[2]
 
 
 def test_backends_never_import_the_client() -> None:

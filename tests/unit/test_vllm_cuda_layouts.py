@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachexferd.integrations.vllm.shm_cache import page_layout
+from cachexferd.integrations.engine.shm_cache import page_layout
 
 from ..vllm_layouts import LAYOUTS, VllmShape, block_outermost, views
 

@@ -80,7 +80,7 @@ def start_daemon(
         rank=rank,
         settings={
             "metrics.port": 0, "host_cache.capacity": capacity, "storage.backend": "file",
-            "storage.path": str(storage), "daemon.drain_timeout_s": 5.0, **settings,
+            "storage.file.path": str(storage), "daemon.drain_timeout_s": 5.0, **settings,
         },
     )  # fmt: skip
     daemon.start(timeout_s=60)

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from cachexferd.client.runner import ShmKVCache
-from cachexferd.integrations.vllm import liveness
-from cachexferd.integrations.vllm.connection import DaemonConnection
+from cachexferd.integrations.engine import liveness
+from cachexferd.integrations.engine.connection import DaemonConnection
+from cachexferd.integrations.engine.liveness import Verdict
+from cachexferd.integrations.engine.options import PluginOptions
 from cachexferd.integrations.vllm.keys import VllmKeyNames, layout_name
-from cachexferd.integrations.vllm.liveness import Verdict
-from cachexferd.integrations.vllm.options import PluginOptions
 from cachexferd.launch import DaemonProcess
 
 from ..helpers import SMALL
@@ -184,7 +184,7 @@ def test_refusing_daemon_is_retried_once_per_interval(short_tmp: Path, cache: Sh
 
 
 def _lineage_in_child(queue: Any) -> None:
-    from cachexferd.integrations.vllm.liveness import vllm_lineage
+    from cachexferd.integrations.vllm.processes import vllm_lineage
 
     queue.put(vllm_lineage())
 
@@ -195,7 +195,8 @@ def test_a_spawned_process_watches_the_process_that_started_it() -> None:
     import subprocess
     import sys
 
-    from cachexferd.integrations.vllm.liveness import orphaned, vllm_lineage
+    from cachexferd.integrations.engine.liveness import orphaned
+    from cachexferd.integrations.vllm.processes import vllm_lineage
 
     assert vllm_lineage() == [], "a process the user started watches nothing above it"
     ctx = multiprocessing.get_context("spawn")
@@ -212,7 +213,7 @@ def test_a_spawned_process_watches_the_process_that_started_it() -> None:
 
 
 def test_failures_are_logged_once_per_burst_with_counts(caplog: pytest.LogCaptureFixture) -> None:
-    from cachexferd.integrations.vllm.failures import FailureLog
+    from cachexferd.integrations.engine.failures import FailureLog
 
     failures = FailureLog(gap_s=0.2)
     with caplog.at_level("WARNING", logger="vllm.cachexferd"):
@@ -229,7 +230,7 @@ def test_failures_are_logged_once_per_burst_with_counts(caplog: pytest.LogCaptur
 
 
 def test_a_burst_names_every_daemon_error_it_carried(caplog: pytest.LogCaptureFixture) -> None:
-    from cachexferd.integrations.vllm.failures import FailureLog
+    from cachexferd.integrations.engine.failures import FailureLog
 
     failures = FailureLog(gap_s=0.05)
     with caplog.at_level("WARNING", logger="vllm.cachexferd"):

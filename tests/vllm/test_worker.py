@@ -16,8 +16,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup-vl
 
 from cachexferd.client import EngineClient
 from cachexferd.client.runner import ShmKVCache
-from cachexferd.integrations.vllm import liveness
-from cachexferd.integrations.vllm.connection import DaemonConnection
+from cachexferd.integrations.engine import liveness
+from cachexferd.integrations.engine.connection import DaemonConnection
 from cachexferd.integrations.vllm.keys import VllmKeyNames
 from cachexferd.integrations.vllm.transfer_specs import HostLoadSpec, HostStoreSpec
 from cachexferd.integrations.vllm.vllm_api import GPULoadStoreSpec
@@ -150,7 +150,7 @@ def test_write_through_names_the_chain_it_extends_so_storage_keeps_the_head(cx_r
     cache = ShmKVCache(SMALL)
     # 2.5 objects: the third store evicts one object (down to 90% of the capacity), not two.
     room = 5 * (HEADER_BYTES + SMALL.host_block_bytes) // 2
-    daemon = start_daemon(cx_root, "evict", cx_root / "evict-storage", **{"storage.capacity": room})
+    daemon = start_daemon(cx_root, "evict", cx_root / "evict-storage", **{"storage.file.capacity": room})
     conn = DaemonConnection([daemon.endpoint], name="t", transfer_timeout_s=5, connect_timeout_s=5,
                             retry_interval_s=0.2, lost_after_s=30, slow_after_s=30, cache=cache)  # fmt: skip
     worker = CachexferdWorker(conn, NAMES, 0, WorkerTimes(5.0, 5.0), owner="test-owner")

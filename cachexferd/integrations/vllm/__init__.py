@@ -9,18 +9,25 @@ Use it from vLLM with::
 next to one ``cachexferd serve`` daemon per rank. docs/vllm.md has every option.
 
 The vLLM-facing classes are imported on first use, so the parts that do not need vLLM
-(options, keys, the daemon connection) import without it.
+(keys, processes) import without it. What does not name vLLM (the daemon connection,
+options, failure reports, the index calls, the shared-memory KV cache) is in
+``cachexferd.integrations.engine``; its lines are written to vLLM's log, as ``vllm.cachexferd``.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
+
+from ..engine.logs import log_to
 
 if TYPE_CHECKING:
     from .connector import CachexferdConnector
     from .spec import CachexferdOffloadingSpec
 
 __all__ = ["CachexferdConnector", "CachexferdOffloadingSpec"]
+
+log_to(logging.getLogger("vllm.cachexferd"))  # a child of vLLM's logger: our lines show in its log
 
 
 def __getattr__(name: str) -> Any:

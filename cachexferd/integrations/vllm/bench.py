@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         model = KINDS[args.kind].build(root / "model", hidden=args.hidden)
     settings = {"metrics.port": 0, "host_cache.capacity": args.host_capacity, "storage.backend": "file",
-                "storage.path": str(root / "store")}  # fmt: skip
+                "storage.file.path": str(root / "store")}  # fmt: skip
     # vLLM reserves a core more for an engine with a KV connector: on a small machine that
     # can leave it every core while the plain engine gets one. The same binding for both
     # keeps the comparison fair (and, by default, the other cores to the daemon).

@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .kv_memory import SegmentAllocation
+from ..engine.kv_memory import SegmentAllocation
 from .manager import CachexferdManager
 from .spec import RUNTIME_KEY, CachexferdOffloadingSpec
 from .vllm_api import (
@@ -78,13 +78,13 @@ class CachexferdConnector(OffloadingConnector):
         self._cx_per_request = len(kv_cache_config.kv_cache_groups) > 1  # failures reported per request
 
     def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
-        """vLLM allocates its KV cache inside this: on CPU, in shared memory (kv_memory.py)."""
+        """vLLM allocates its KV cache inside this: on CPU, in shared memory (engine/kv_memory.py)."""
         worker = self.connector_worker
         if worker is None or not isinstance(worker.spec, CachexferdOffloadingSpec):
             return None
         if str(getattr(self._vllm_config.device_config, "device_type", "")) != "cpu":
             return None  # GPUs: the cache is exported over CUDA IPC as vLLM allocated it
-        allocation = SegmentAllocation(backing_sizes(self._cx_kv_cache_config))
+        allocation = SegmentAllocation(backing_sizes(self._cx_kv_cache_config), prefix="cachexferd-vllm")
         worker.spec.allocation = allocation
         return allocation
 

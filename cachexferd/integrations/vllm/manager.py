@@ -5,7 +5,7 @@ The index (``cachexferd.index``) is the brain: it knows which blocks are in the 
 and never reuses a block with a transfer in flight. This adapter translates vLLM's calls
 (one offload key at a time for lookups, batches for stores and loads) into index calls and
 the index's plans into the specs the workers execute. Each request's stores are linked into
-one chain per KV-cache group (index_calls.py), so eviction takes a conversation's tail first.
+one chain per KV-cache group (engine/index_calls.py), so eviction takes a conversation's tail first.
 
 It also keeps a connection to every rank's daemon, which gives the host tier's size (the
 smallest host cache over the ranks, from the STATUS its probes ask for) and notices what
@@ -24,11 +24,11 @@ from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from ...index import OffloadIndex
-from .connection import DaemonConnection
+from ..engine.connection import DaemonConnection
+from ..engine.index_calls import Chains, prepare_loads, prepare_stores
+from ..engine.options import PluginOptions
 from .events import TierEvents
-from .index_calls import Chains, prepare_loads, prepare_stores
 from .keys import VllmKeyNames
-from .options import PluginOptions
 from .prefetch import StoragePrefetch
 from .transfer_specs import HostLoadSpec, HostStoreSpec
 from .vllm_api import (

@@ -25,7 +25,7 @@ from ...client import EngineClient
 from ...client.pending import Completion
 from ...index import OffloadIndex
 from ...protocol import MsgType
-from .index_calls import prepare_stores
+from ..engine.index_calls import prepare_stores
 from .keys import VllmKeyNames, group_of
 from .vllm_api import OffloadKey
 

@@ -8,12 +8,13 @@ from typing import Any
 import torch
 
 from ...client.shm_segment import ShmSegment
-from .connection import DaemonConnection
+from ..engine.connection import DaemonConnection
+from ..engine.kv_memory import SegmentAllocation
+from ..engine.options import PluginOptions
+from ..engine.shm_cache import KVCacheError, page_cache
 from .keys import VllmKeyNames, layout_name
-from .kv_memory import SegmentAllocation
 from .manager import CachexferdManager
-from .options import PluginOptions
-from .shm_cache import VllmCacheError, page_cache
+from .processes import vllm_lineage
 from .vllm_api import CanonicalKVCaches, OffloadingConfig, OffloadingManager, OffloadingSpec, OffloadingWorker
 from .worker import CachexferdWorker, WorkerTimes
 
@@ -34,7 +35,7 @@ class CachexferdOffloadingSpec(OffloadingSpec):
             )
         if self.blocks_per_chunk != 1:
             raise ValueError("cachexferd offloads vLLM blocks one by one: leave the offload block_size unset")
-        self.options = PluginOptions.from_extra_config(self.extra_config)
+        self.options = PluginOptions.from_extra_config(self.extra_config, "kv_connector_extra_config")
         self.replicated = bool(runtime.get("replicated"))
         self.serve_loads = bool(runtime.get("prefix_caching", True))
         self.names = VllmKeyNames.create(
@@ -76,8 +77,9 @@ class CachexferdOffloadingSpec(OffloadingSpec):
             rank = self.config.parallel.rank
             tensors = [t.tensor for t in kv_caches.tensors]
             segment = _checked_segment(self.allocation, tensors)
-            cache = page_cache(tensors, segment)
-            conn = self._connection([self.options.endpoint_for(rank)], f"vllm-worker-{rank}", cache=cache)
+            cache = page_cache(tensors, segment, hint="is this vLLM version supported? docs/vllm.md, 'vLLM versions'")
+            conn = self._connection([self.options.endpoint_for(rank)], f"vllm-worker-{rank}", cache=cache,
+                                    lineage=vllm_lineage())  # fmt: skip
             times = WorkerTimes(self.options.max_stall_s, self.options.transfer_timeout_s)
             self._worker = CachexferdWorker(conn, self.names, rank, times, self.owner)
             if not conn.start():
@@ -102,5 +104,5 @@ def _checked_segment(allocation: SegmentAllocation | None, tensors: list[torch.T
     if allocation is None or allocation.segment is None or allocation.tensor is None:
         return None
     if {t.untyped_storage().data_ptr() for t in tensors} != {allocation.tensor.data_ptr()}:
-        raise VllmCacheError("vLLM's KV cache tensors are not views of the plug-in's shared-memory buffer")
+        raise KVCacheError("vLLM's KV cache tensors are not views of the plug-in's shared-memory buffer")
     return allocation.segment

@@ -144,7 +144,7 @@ def _dropping_expedited(submit_load: Callable[..., bool]) -> Callable[..., bool]
 
 
 # Where vLLM allocates the KV cache on CPU, which the plug-in places in shared memory
-# (kv_memory.py): Worker.initialize_from_config runs the model runner's
+# (engine/kv_memory.py): Worker.initialize_from_config runs the model runner's
 # initialize_kv_cache inside the connector's get_mem_pool_context(), and
 # vllm.v1.worker.utils.allocate_kv_cache makes one backing buffer with
 # torch.zeros(size, dtype=torch.int8, device=cpu), of which every layer is a view.

@@ -384,13 +384,13 @@ VLLM_CONFIG = [
     Use("vllm.config.device:DeviceConfig.device_type", "attribute", "present", "connector.get_mem_pool_context"),
 ]
 
-# kv_memory.py answers vLLM's one torch.zeros call for the CPU KV cache (vllm_api.KV_ALLOCATION).
+# engine/kv_memory.py answers vLLM's one torch.zeros call for the CPU KV cache (vllm_api.KV_ALLOCATION).
 KV_ALLOCATION = [
     Use(
         "vllm.v1.worker.utils:allocate_kv_cache",
         "calls",
         "torch.zeros(buf_size, dtype=torch.int8, device=device)",
-        "kv_memory.SegmentAllocation answers this call",
+        "engine.kv_memory.SegmentAllocation answers this call",
         callee="zeros",
     ),
     Use(

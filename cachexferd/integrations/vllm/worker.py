@@ -8,7 +8,7 @@ write-through STOREs. Completions are drained by ``poll()`` when vLLM asks for f
 jobs, once per step.
 
 Never holding vLLM up:
-- a job is only sent to a daemon that is up and answering (connection.py); otherwise it
+- a job is only sent to a daemon that is up and answering (engine/connection.py); otherwise it
   fails at once: a load is recomputed, a store skipped;
 - a load (or a store vLLM waits for, ``wait``) whose daemon has answered nothing since it
   was sent is given up after ``max_stall_s``: vLLM recomputes it. A load carries that
@@ -40,8 +40,8 @@ from typing import Any
 from ...client import EngineClient
 from ...client.pending import Completion
 from ...protocol import MsgType
-from .connection import RESTART_ERRORS, DaemonConnection
-from .failures import FailureLog
+from ..engine.connection import RESTART_ERRORS, DaemonConnection
+from ..engine.failures import FailureLog
 from .keys import VllmKeyNames, group_of
 from .transfer_specs import HostLoadSpec, HostStoreSpec
 from .vllm_api import GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, OffloadKey, TransferResult

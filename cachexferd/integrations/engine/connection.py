@@ -1,6 +1,6 @@
 """A connection to the daemons of one or more ranks that never holds an engine step.
 
-vLLM calls the plug-in at every engine step, so nothing here may wait on a daemon that is
+The engine calls its integration at every step, so nothing here may wait on a daemon that is
 down or behind. Each daemon is watched by a ``Probe`` (liveness.py) on a socket of its own.
 The blocking calls (hello, and for a worker the attach) are made by a keeper thread, only
 to daemons that have just answered, each bounded by ``connect_timeout_s``; the engine's
@@ -16,7 +16,6 @@ had in flight.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -28,10 +27,9 @@ import zmq
 from ...client import EngineClient, RunnerClient
 from ...client.link import ClientError
 from ...protocol import ErrorCode
-from .liveness import Probe, Verdict, orphaned, vllm_lineage
+from .liveness import Probe, Verdict, orphaned
+from .logs import log
 from .shm_cache import PageCache
-
-log = logging.getLogger("vllm.cachexferd")  # a child of vLLM's logger: our lines show in its log
 
 # Outcomes that say the daemon or our attachment (not the command) is the problem.
 # Restart errors: the daemon we said hello to, or our attachment, is gone: the connection is
@@ -51,7 +49,10 @@ CONNECTION_ERRORS = RESTART_ERRORS | LINK_ERRORS
 
 
 class DaemonConnection:
-    """EngineClient (and, for a worker, RunnerClient + attach) to ``endpoints``, kept up."""
+    """EngineClient (and, for a worker, RunnerClient + attach) to ``endpoints``, kept up.
+
+    ``lineage``: for a worker, the engine's processes it depends on (``liveness.engine_lineage``);
+    when one of them is gone, the connection lets go of the daemon (see ``_orphaned``)."""
 
     def __init__(
         self,
@@ -64,6 +65,7 @@ class DaemonConnection:
         lost_after_s: float = 30.0,
         slow_after_s: float = 0.5,
         cache: PageCache | None = None,
+        lineage: Sequence[tuple[int, int]] = (),
     ) -> None:
         if cache is not None and len(endpoints) != 1:
             raise ValueError("a worker attaches its cache to exactly one daemon")
@@ -93,7 +95,7 @@ class DaemonConnection:
         self._closed = False
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
-        self._lineage = vllm_lineage() if cache is not None else []  # a worker watches vLLM's processes
+        self._lineage = list(lineage)  # a worker watches the engine's processes
 
     @property
     def up(self) -> bool:
@@ -167,12 +169,13 @@ class DaemonConnection:
                 log.exception("cachexferd: connection keeper error (continuing)")
 
     def _orphaned(self) -> bool:
-        """A worker whose vLLM main process died (vLLM leaves its engine and worker processes
-        running then) lets go of its attachment: it would keep the daemon from the next vLLM."""
+        """A worker whose engine's main process died (an engine may leave its other processes
+        running then) lets go of its attachment: it would keep the daemon from the engine's
+        next start."""
         gone = orphaned(self._lineage) if self._lineage else None
         if gone is None:
             return False
-        log.warning("cachexferd: vLLM's process %d is gone (this worker is orphaned): detaching from %s",
+        log.warning("cachexferd: the engine's process %d is gone (this worker is orphaned): detaching from %s",
                     gone, self.endpoints)  # fmt: skip
         self.close()
         return True
@@ -273,7 +276,7 @@ class DaemonConnection:
                     runner.attach(cache)
                 else:
                     # Another runner's: the daemon replaces it only if that one is gone or
-                    # orphaned and ran as our user (docs/vllm.md, "One runner per daemon").
+                    # orphaned and ran as our user (docs/protocol.md §7.15).
                     runner.attach(cache, supersede=True)
         except BaseException:
             runner.close()
@@ -287,7 +290,8 @@ class DaemonConnection:
         with self.lock:
             if self.client is None:
                 return
-            log.warning("cachexferd: lost %s: %s; vLLM recomputes instead until it is back", self.endpoints, reason)
+            log.warning("cachexferd: lost %s: %s; the engine recomputes instead until it is back",
+                        self.endpoints, reason)  # fmt: skip
             client, runner, self.client, self.runner = self.client, self.runner, None, None
             self.boot_ids = []
             self.verdict = Verdict.LOST
@@ -296,7 +300,7 @@ class DaemonConnection:
         _close_quietly(client, runner)
 
     def close(self) -> None:
-        """Detaches (so vLLM may free its cache) and closes every socket."""
+        """Detaches (so the engine may free its cache) and closes every socket."""
         self._stop.set()
         with self.lock:
             if self._closed:

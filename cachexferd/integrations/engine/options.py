@@ -1,11 +1,9 @@
-"""The plug-in's options: the ``"cachexferd"`` map inside vLLM's ``kv_connector_extra_config``.
+"""The plug-in's options: a ``"cachexferd"`` map inside the extra config an engine hands
+its connector (each integration's docs say where its engine takes it)::
 
-No vLLM or torch import, so the options can be parsed and checked anywhere::
+    {"cachexferd": {"endpoint": "ipc:///run/cachexferd/{rank}/cmd.sock", "storage": "write_through"}}
 
-    --kv-transfer-config '{"kv_connector": "CachexferdConnector",
-                           "kv_connector_module_path": "cachexferd.integrations.vllm",
-                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                           "kv_connector_extra_config": {"cachexferd": {"storage": "write_through"}}}'
+No engine or torch import, so the options can be parsed and checked anywhere.
 """
 
 from __future__ import annotations
@@ -31,20 +29,20 @@ class PluginOptions:
     # when the daemons have a storage backend).
     storage: str = "write_through"
     # The longest a request (or an engine step) waits on the daemon: a load not done by then
-    # is recomputed, a store vLLM waits for is given up; a daemon silent that long gets no
+    # is recomputed, a store the engine waits for is given up; a daemon silent that long gets no
     # new transfers until it answers again.
     max_stall_s: float = 0.5
     # A store nobody waits for that the daemon has not finished by then counts as failed.
     transfer_timeout_s: float = 10.0
     # Bound on each blocking call to a daemon that has just answered a probe (hello, attach);
-    # these calls run on the plug-in's own thread, never on vLLM's.
+    # these calls run on the plug-in's own thread, never on the engine's.
     connect_timeout_s: float = 5.0
     # How often daemons are pinged (and a daemon that is down or refusing tried again).
     retry_interval_s: float = 1.0
     # A daemon that answers nothing for this long counts as lost (one on this host also as
     # soon as its process is gone, or it answers with a new boot id).
     lost_after_s: float = 30.0
-    # Names the model in storage keys (default: vLLM's model name). Instances that should
+    # Names the model in storage keys (default: the engine's model name). Instances that should
     # share stored KV must use the same id, weights version and layout.
     model_id: str = ""
     # Bump after changing the weights behind the same model id: old KV then never matches.
@@ -63,10 +61,11 @@ class PluginOptions:
             raise ValueError(f"cachexferd.endpoint must start with ipc:// or tcp://, got {self.endpoint!r}")
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any]) -> PluginOptions:
+    def from_extra_config(cls, extra: Mapping[str, Any], where: str = "extra config") -> PluginOptions:
+        """The options in ``extra["cachexferd"]``; ``where`` names ``extra`` in errors."""
         raw = extra.get("cachexferd") or {}
         if not isinstance(raw, Mapping):
-            raise ValueError("kv_connector_extra_config.cachexferd must be a map of options")
+            raise ValueError(f"{where}.cachexferd must be a map of options")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:

@@ -1,12 +1,12 @@
 """Failed transfers reported as one log line per burst, with counts.
 
 A daemon fault fails every transfer in flight and, until the plug-in has noticed, every new
-one: hundreds in a second. One warning each would bury vLLM's log, and one per interval
+one: hundreds in a second. One warning each would bury the engine's log, and one per interval
 would still say nothing about how many. A burst is a run of failures less than ``gap_s``
 apart; its line is written when it ends (or every ``span_s`` while it lasts)::
 
     cachexferd: 41 transfers failed over 0.8s (load: 29, store: 12; errors: DAEMON_LOST;
-    vLLM recomputed or skipped them); first: load job 7 failed (daemon at ... exited)
+    the engine recomputed or skipped them); first: load job 7 failed (daemon at ... exited)
 
 ``errors`` names every daemon error code the burst's failures carried, so a burst of
 different causes shows them all, not only its first.
@@ -14,14 +14,13 @@ different causes shows them all, not only its first.
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 from collections import Counter
 
 from ...protocol import ErrorCode
+from .logs import log
 
-log = logging.getLogger("vllm.cachexferd")  # a child of vLLM's logger: our lines show in its log
 _ERROR_NAMES = re.compile(r"\b(" + "|".join(sorted(ErrorCode.__members__, key=len, reverse=True)) + r")\b")
 
 
@@ -56,8 +55,8 @@ class FailureLog:
         kinds = ", ".join(f"{kind}: {n}" for kind, n in sorted(self._counts.items()))
         if self._errors:
             kinds += f"; errors: {', '.join(sorted(self._errors))}"
-        log.warning("cachexferd: %d transfer(s) failed over %.1fs (%s; vLLM recomputed or skipped them); first: %s",
-                    total, self._last - self._started, kinds, self._first)  # fmt: skip
+        log.warning("cachexferd: %d transfer(s) failed over %.1fs (%s; the engine recomputed or skipped them); "
+                    "first: %s", total, self._last - self._started, kinds, self._first)  # fmt: skip
         self.lines += 1
         self._counts.clear()
         self._errors.clear()

@@ -1,11 +1,12 @@
-"""vLLM's CPU KV cache as a cachexferd device cache, without a staging copy.
+"""An engine's KV cache as a cachexferd device cache, without a staging copy.
 
-On CPU, vLLM allocates every layer's KV cache as a view of one buffer and hands the
-offloading worker one ``[num_blocks, page_bytes]`` int8 view per layer. The plug-in has
-that buffer allocated in a ShmSegment from the start (kv_memory.py); the worker attaches
-the segment with one daemon tensor per vLLM page tensor (``kind: shm``, offsets measured
-from the segment's start), and the daemon copies straight between vLLM's cache and its
-host cache. On GPUs the worker exports the cache over CUDA IPC instead (``cuda`` backend).
+The engine's KV cache is handed over as page tensors: one ``[num_blocks, page_bytes]``
+view per layer (or per group of layers), all with pages of one size. On CPU, every page
+tensor is a view of one buffer, which the integration has allocated in a ShmSegment from
+the start (kv_memory.py); the worker attaches the segment with one daemon tensor per page
+tensor (``kind: shm``, offsets measured from the segment's start), and the daemon copies
+straight between the engine's cache and its host cache. On GPUs the worker exports the
+cache over CUDA IPC instead (``cuda`` backend).
 """
 
 from __future__ import annotations
@@ -20,20 +21,20 @@ from ...client.shm_segment import ShmSegment
 from ...protocol import KVLayout
 
 
-class VllmCacheError(RuntimeError):
-    """vLLM's KV cache has a shape this plug-in cannot hand to the daemon."""
+class KVCacheError(RuntimeError):
+    """The engine's KV cache has a shape (or an allocation) the plug-in cannot hand to the daemon."""
 
 
 def page_layout(tensors: Sequence[torch.Tensor]) -> KVLayout:
-    """One daemon 'layer' per vLLM page tensor; a block of it is ``page_bytes`` raw bytes."""
+    """One daemon 'layer' per page tensor; a block of it is ``page_bytes`` raw bytes."""
     if not tensors:
-        raise VllmCacheError("vLLM registered no KV cache tensors")
+        raise KVCacheError("the engine registered no KV cache tensors")
     num_blocks, page_bytes = tensors[0].shape
     for t in tensors:
         if t.dim() != 2 or tuple(t.shape) != (num_blocks, page_bytes) or t.stride() != (page_bytes, 1):
-            raise VllmCacheError(
+            raise KVCacheError(
                 f"KV cache tensor of shape {tuple(t.shape)} and stride {t.stride()} is not a contiguous "
-                f"[{num_blocks}, {page_bytes}] page array like vLLM's first KV tensor: cachexferd moves a block of "
+                f"[{num_blocks}, {page_bytes}] page array like the first KV tensor: cachexferd moves a block of "
                 "every KV-cache group as one page of each tensor, so the tensors' pages must have one size"
             )
     return KVLayout(
@@ -53,7 +54,7 @@ class PageCache(Protocol):
 
 
 def cuda_page_cache(tensors: Sequence[torch.Tensor]) -> PageCache:
-    """vLLM's pages on a GPU, exported to the daemon's cuda backend over CUDA IPC."""
+    """The engine's pages on a GPU, exported to the daemon's cuda backend over CUDA IPC."""
     from ...client.cuda_runner import CudaKVCache
 
     layout = page_layout(tensors)
@@ -61,35 +62,36 @@ def cuda_page_cache(tensors: Sequence[torch.Tensor]) -> PageCache:
     return CudaKVCache.wrap(layout, views)
 
 
-def page_cache(tensors: Sequence[torch.Tensor], segment: ShmSegment | None = None) -> PageCache:
-    """The attachable form of vLLM's page tensors: over CUDA IPC on a GPU, else the
-    ShmSegment vLLM's CPU buffer was allocated in (``segment``)."""
+def page_cache(tensors: Sequence[torch.Tensor], segment: ShmSegment | None = None, *, hint: str = "") -> PageCache:
+    """The attachable form of the engine's page tensors: over CUDA IPC on a GPU, else the
+    ShmSegment the engine's CPU buffer was allocated in (``segment``). ``hint``: what the
+    error says to check when there is no segment (e.g. which engine versions are supported)."""
     if tensors and tensors[0].device.type == "cuda":
         return cuda_page_cache(tensors)
     if segment is None:
-        raise VllmCacheError(
-            "vLLM allocated its CPU KV cache outside the plug-in's shared-memory allocation "
-            "(is this vLLM version supported? docs/vllm.md, 'vLLM versions')"
+        raise KVCacheError(
+            "the engine allocated its CPU KV cache outside the plug-in's shared-memory allocation"
+            + (f" ({hint})" if hint else "")
         )
-    return VllmShmCache(tensors, segment)
+    return ShmPageCache(tensors, segment)
 
 
-class VllmShmCache:
-    """vLLM's page tensors, all views of one ShmSegment; implements DeviceCacheHandle. The
+class ShmPageCache:
+    """The engine's page tensors, all views of one ShmSegment; implements DeviceCacheHandle. The
     daemon maps the segment by descriptor, or (first attach) by a name that exists only
     inside ``exposed()`` (RunnerClient.attach uses it)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], segment: ShmSegment) -> None:
         if any(t.device.type != "cpu" for t in tensors):
-            raise VllmCacheError("VllmShmCache needs CPU tensors")
+            raise KVCacheError("ShmPageCache needs CPU tensors")
         self.layout = page_layout(tensors)
         storages = {t.untyped_storage().data_ptr() for t in tensors}
         if len(storages) != 1:
-            raise VllmCacheError(f"KV cache tensors live in {len(storages)} allocations; expected vLLM's one buffer")
+            raise KVCacheError(f"KV cache tensors live in {len(storages)} allocations; expected one buffer")
         storage = tensors[0].untyped_storage()
         if storage.nbytes() != segment.size:
-            raise VllmCacheError(
-                f"vLLM's KV cache buffer ({storage.nbytes()} bytes) is not the shared-memory segment "
+            raise KVCacheError(
+                f"the engine's KV cache buffer ({storage.nbytes()} bytes) is not the shared-memory segment "
                 f"({segment.size} bytes) the plug-in allocated"
             )
         self.segment = segment

@@ -1,13 +1,13 @@
-"""OffloadIndex calls for the pieces of work vLLM hands the manager.
+"""OffloadIndex calls for the pieces of work an engine hands its offloading manager.
 
 Lookups come one key at a time; a store holds the blocks of one request that filled up in a
 step, so a request's blocks arrive over many calls; a load may span blocks stored by
 different calls. The index finds blocks by hash alone, so a load is one call. Each store is
 linked to the block the same request stored last in the same KV-cache group (``Chains``),
 so a request's blocks form one chain in the index and host eviction takes a chain's tail
-before its head: vLLM's lookup stops at the first miss, so a tail kept without its head is
-dead weight. When a whole store does not fit, or a block of a load is gone, the blocks are
-placed one at a time, as far as they go.
+before its head: an engine's prefix lookup stops at the first miss, so a tail kept without
+its head is dead weight. When a whole store does not fit, or a block of a load is gone, the
+blocks are placed one at a time, as far as they go.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class Placed:
 
 @dataclass
 class Chains:
-    """The last block one request stored, per KV-cache group (kept in vLLM's ReqContext)."""
+    """The last block one request stored, per KV-cache group (the integration keeps one per
+    request)."""
 
     tails: dict[int, bytes] = field(default_factory=dict)
 
@@ -108,7 +109,7 @@ def _store_run(index: OffloadIndex, run: list[bytes], parent: bytes | None) -> t
 
 def _load_one_by_one(index: OffloadIndex, digests: list[bytes]) -> Placed:
     """The leading blocks the index can still protect; the rest get host id -1 (the worker
-    fails them and vLLM recomputes)."""
+    fails them and the engine recomputes)."""
     placed = Placed(digests=list(digests))
     for i, digest in enumerate(digests):
         try:

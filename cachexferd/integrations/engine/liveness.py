@@ -27,6 +27,7 @@ import contextlib
 import os
 import socket
 import time
+from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -175,16 +176,19 @@ def _is_daemon(pid: int) -> bool:
         return False
 
 
-# Lineage: is this vLLM process orphaned? ------------------------------------------------------
+# Lineage: is this process of an engine orphaned? ---------------------------------------------
 
-_SPAWNED = (b"VLLM::", b"multiprocessing.spawn", b"multiprocessing.forkserver")
+# What the command line of a process started by multiprocessing (spawn or forkserver) holds.
+_MULTIPROCESSING = (b"multiprocessing.spawn", b"multiprocessing.forkserver")
 
 
-def vllm_lineage(max_depth: int = 6) -> list[tuple[int, int]]:
-    """(pid, start time) of the processes this one depends on: when it was started by vLLM
-    (a worker or engine-core process), its parent, and up through vLLM's own processes to
-    vLLM's main process (the first ancestor that vLLM did not spawn). Empty in a process the
-    user started (vLLM's in-process engine): nothing above it is vLLM's."""
+def engine_lineage(titles: Sequence[bytes], max_depth: int = 6) -> list[tuple[int, int]]:
+    """(pid, start time) of the processes this one depends on: when the engine started it
+    (a worker or engine-core process), its parent, and up through the engine's own processes
+    to its main process (the first ancestor the engine did not spawn). A process the engine
+    spawned is a multiprocessing child, or one whose command line starts with one of
+    ``titles`` (the titles the engine gives its processes). Empty in a process the user
+    started (an in-process engine): nothing above it is the engine's."""
     import multiprocessing
 
     if multiprocessing.parent_process() is None:
@@ -196,8 +200,8 @@ def vllm_lineage(max_depth: int = 6) -> list[tuple[int, int]]:
         if info is None or pid <= 1:
             break
         lineage.append((pid, info.start_ticks))
-        if not _spawned(pid):
-            break  # vLLM's main process: its own parent (a shell, systemd) does not matter
+        if not _spawned(pid, tuple(titles)):
+            break  # the engine's main process: its own parent (a shell, systemd) does not matter
         pid = info.ppid
     return lineage
 
@@ -211,10 +215,10 @@ def orphaned(lineage: list[tuple[int, int]]) -> int | None:
     return None
 
 
-def _spawned(pid: int) -> bool:
+def _spawned(pid: int, titles: tuple[bytes, ...]) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmdline = f.read()
     except OSError:
         return False
-    return cmdline.startswith(_SPAWNED[0]) or any(mark in cmdline for mark in _SPAWNED[1:])
+    return cmdline.startswith(titles) or any(mark in cmdline for mark in _MULTIPROCESSING)

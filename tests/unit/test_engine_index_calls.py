@@ -1,10 +1,10 @@
-"""The vLLM plug-in's index calls (no vLLM needed): whole-call placement, per-request
+"""The engine-side index calls (no engine needed): whole-call placement, per-request
 chains per KV-cache group, and the block-by-block fallbacks when a whole call cannot go."""
 
 from __future__ import annotations
 
 from cachexferd.index import OffloadIndex
-from cachexferd.integrations.vllm.index_calls import Chains, prepare_loads, prepare_stores
+from cachexferd.integrations.engine.index_calls import Chains, prepare_loads, prepare_stores
 from cachexferd.storage.keys import KeySpace
 
 SPACE = KeySpace("m", "float16", "layout", 4)
