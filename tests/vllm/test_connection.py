@@ -244,3 +244,27 @@ def test_a_burst_names_every_daemon_error_it_carried(caplog: pytest.LogCaptureFi
     first, second = [r.getMessage() for r in caplog.records]
     assert "errors: DAEMON_LOST, HOST_BLOCK_CHANGED;" in first and "first: load: load job 6" in first
     assert "errors" not in second and "load: 1;" in second
+
+
+def test_a_runner_attaching_after_the_connection_is_seen_within_a_step_or_two(
+    short_tmp: Path, cache: ShmKVCache
+) -> None:
+    """The scheduler's connection learns the host cache's geometry (known once the worker's
+    runner attached) by polling, not at the next once-per-interval ping: with an interval of
+    30 s it still knows within a few keeper periods."""
+    daemon = start_daemon(short_tmp, "d", short_tmp / "storage")
+    scheduler = DaemonConnection(
+        [daemon.endpoint], name="scheduler", transfer_timeout_s=5, connect_timeout_s=5, retry_interval_s=30,
+    )  # fmt: skip
+    worker = connection(daemon.endpoint, cache)
+    try:
+        assert scheduler.start(), "the scheduler connects to a running daemon"
+        time.sleep(0.3)  # its first STATUS has come back, from a daemon with no runner yet
+        assert not scheduler.statuses()[0].get("host_cache", {}).get("num_blocks")
+        assert worker.start(), "the worker attaches"
+        wait_until(lambda: bool(scheduler.statuses()[0].get("host_cache", {}).get("num_blocks")), 5,
+                   "the scheduler to learn the host cache's geometry")  # fmt: skip
+    finally:
+        worker.close()
+        scheduler.close()
+        daemon.stop()

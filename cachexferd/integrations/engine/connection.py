@@ -27,7 +27,7 @@ import zmq
 from ...client import EngineClient, RunnerClient
 from ...client.link import ClientError
 from ...protocol import ErrorCode
-from .liveness import Probe, Verdict, orphaned
+from .liveness import Probe, Verdict, orphaned, why_unreachable
 from .logs import log
 from .shm_cache import PageCache
 
@@ -45,6 +45,8 @@ RESTART_ERRORS = frozenset(
     }
 )  # fmt: skip
 LINK_ERRORS = frozenset({ErrorCode.DAEMON_LOST, ErrorCode.SEND_FAILED})
+GEOMETRY_POLL_S = 0.1  # STATUS polls while a new connection's runner attaches
+UNREACHABLE_LOG_S = 60.0  # how often an unreachable daemon is named again
 CONNECTION_ERRORS = RESTART_ERRORS | LINK_ERRORS
 
 
@@ -96,6 +98,9 @@ class DaemonConnection:
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
         self._lineage = list(lineage)  # a worker watches the engine's processes
+        self.opened_at = 0.0  # monotonic time of the last (re)connection
+        self._unreachable_since: float | None = None
+        self._next_unreachable_log = 0.0
 
     @property
     def up(self) -> bool:
@@ -163,10 +168,30 @@ class DaemonConnection:
                 if self.client is None and self._all_answered() and time.monotonic() >= self._next_open:
                     self._next_open = time.monotonic() + self.retry_interval_s
                     self._try_open()
+                if self.client is None:
+                    self._report_unreachable(time.monotonic())
                 for callback in self.on_keeper_tick:
                     callback()
             except Exception:  # never let the keeper die: the engine would lose the daemon for good
                 log.exception("cachexferd: connection keeper error (continuing)")
+
+    def unreachable(self) -> str:
+        """One line on the daemons that do not answer: what is wrong at each endpoint, and
+        the command that shows a daemon's state."""
+        silent = [p.endpoint for p in self._probes if p.boot_id is None] or self.endpoints
+        return "; ".join(f"{why_unreachable(e)} (`cachexferd status --endpoint {e}`)" for e in silent)
+
+    def _report_unreachable(self, now: float) -> None:
+        """Repeats the warning while the daemons stay unreachable (not once and then silence)."""
+        if self._unreachable_since is None:
+            self._unreachable_since = now
+            self._next_unreachable_log = now + UNREACHABLE_LOG_S
+            return  # the start (or the loss) has just said so
+        if now < self._next_unreachable_log or self._last_error:
+            return  # an open that failed has said why
+        self._next_unreachable_log = now + UNREACHABLE_LOG_S
+        log.warning("cachexferd: still no daemon after %.0fs: %s; the engine runs without it until it answers",
+                    now - self._unreachable_since, self.unreachable())  # fmt: skip
 
     def _orphaned(self) -> bool:
         """A worker whose engine's main process died (an engine may leave its other processes
@@ -192,7 +217,7 @@ class DaemonConnection:
             for probe in self._probes:
                 probe.drain()
             if now >= self._next_ping:
-                self._next_ping = now + self.retry_interval_s
+                self._next_ping = now + self._ping_interval()
                 for probe in self._probes:
                     probe.ping()
             if self.client is None:
@@ -201,6 +226,14 @@ class DaemonConnection:
             if reason:
                 self.lose(reason)
             return reason
+
+    def _ping_interval(self) -> float:
+        """Once per retry interval; more often while connected to a daemon whose host cache
+        geometry is not known yet (its runner is attaching): the engine offloads nothing
+        until it knows it, so it should learn it within a step or two."""
+        if self.client is not None and not all(p.geometry_known for p in self._probes):
+            return min(self.retry_interval_s, GEOMETRY_POLL_S)
+        return self.retry_interval_s
 
     def _judge(self, now: float) -> str | None:
         """Updates ``verdict``; returns a reason when the connection is lost."""
@@ -246,6 +279,9 @@ class DaemonConnection:
             self.boot_ids = [link.boot_id or "" for link in client.links]
             self.verdict = Verdict.UP
             self.opened += 1
+            self.opened_at = time.monotonic()
+            self._next_ping = 0.0  # ask for the status (and the host cache's geometry) at once
+            self._unreachable_since = None
         self._last_error = ""
         log.info("cachexferd: connected to %s (boot %s)%s", self.endpoints, self.boot_ids,
                  ", KV cache attached" if self.cache is not None else "")  # fmt: skip

@@ -73,6 +73,11 @@ class Probe:
             self.link.send(cmd)
         return True
 
+    @property
+    def geometry_known(self) -> bool:
+        """Whether the last STATUS gave the host cache's blocks (known once a runner attached)."""
+        return bool((self.status.get("host_cache") or {}).get("num_blocks"))
+
     def ask_status(self) -> None:
         """The next ping is a STATUS (its result lands in ``status``)."""
         self._want_status = True
@@ -141,6 +146,24 @@ class Probe:
 
     def close(self) -> None:
         self.link.close()
+
+
+def why_unreachable(endpoint: str) -> str:
+    """What an operator checks first about a daemon that does not answer at ``endpoint``."""
+    if not endpoint.startswith("ipc://"):
+        return f"nothing answers at {endpoint}"
+    path = Path(endpoint[len("ipc://") :])
+    if str(path).startswith("@"):
+        return f"nothing answers at the abstract socket {path}"
+    if path.parent.is_dir() and not os.access(path.parent, os.X_OK):
+        return (
+            f"{path.parent} is not open to this user (the daemon's runtime directory admits its user and access.group)"
+        )
+    if not path.exists():
+        return f"no socket at {path}: no daemon serves there yet, or the endpoint names another path"
+    if not accepts_connections(str(path)):
+        return f"the socket {path} exists but nothing listens on it: the daemon stopped and left it"
+    return f"the daemon at {path} accepts connections but does not answer: stopped, hung or starting"
 
 
 def process_state(pid: int) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
@@ -45,6 +46,7 @@ from .vllm_api import (
 )
 
 log = logging.getLogger("vllm.cachexferd")  # a child of vLLM's logger: our lines show in its log
+ATTACH_WAIT_S = 2.0  # after a (re)connection, how long lookups and stores wait for the host tier to open
 
 IndexFactory = Callable[[int, bool], OffloadIndex]  # (host_blocks, storage) -> index
 
@@ -103,6 +105,12 @@ class CachexferdManager(OffloadingManager):
                     self._built_for = built_for
             return self.index
 
+    def _attaching(self) -> bool:
+        """Just connected to daemons whose host tier opens once the workers' attach shows
+        in their status (within a step or two): until then lookups and stores wait for it
+        instead of missing it, for at most ``ATTACH_WAIT_S``."""
+        return self.conn.usable and time.monotonic() - self.conn.opened_at < ATTACH_WAIT_S
+
     def _drop_index(self) -> None:
         if self.index is not None:
             self.prefetch.reset()
@@ -146,6 +154,8 @@ class CachexferdManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         index = self._refresh()  # (the scheduler's single thread uses the index; the lock guards the connection)
         self.stats["lookups"] += 1
+        if index is None and self._attaching():
+            return LookupResult.RETRY  # the host tier is about to open: vLLM asks again next step
         if index is None or not self.conn.usable or not self.serve_loads:
             return LookupResult.MISS  # a daemon behind: no load it could not serve (nor failure to forget)
         if index.lookup(self._digests([key])):
@@ -201,6 +211,8 @@ class CachexferdManager(OffloadingManager):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
         index = self._refresh()
+        if index is None and self._attaching():
+            return None  # the host tier is about to open: vLLM offers these blocks again next step
         if index is None or not self.conn.usable:
             # No daemon (or one behind): store nothing (an empty plan, not None, keeps vLLM
             # from warning per request).

@@ -83,8 +83,8 @@ class CachexferdOffloadingSpec(OffloadingSpec):
             times = WorkerTimes(self.options.max_stall_s, self.options.transfer_timeout_s)
             self._worker = CachexferdWorker(conn, self.names, rank, times, self.owner)
             if not conn.start():
-                log.warning("cachexferd: daemon %s not reachable at start; vLLM serves without it until it is",
-                            self.options.endpoint_for(rank))  # fmt: skip
+                log.warning("cachexferd: no daemon at start: %s; vLLM serves without it until it answers, "
+                            "and offloads from then on", conn.unreachable())  # fmt: skip
         return self._worker
 
 

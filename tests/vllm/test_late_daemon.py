@@ -1,0 +1,62 @@
+"""vLLM started before its daemon: once the daemon is up and both sides of the plug-in have
+connected, the very next request is stored (and so comes back cached), not only those that
+come seconds later; and while no daemon answers, the plug-in says why, and says it again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup-vllm.sh makes a venv with it)")
+
+from cachexferd.integrations.engine import connection  # noqa: E402
+
+from .engines import generate, reset_gpu_cache, shutdown  # noqa: E402
+from .rig import BLOCK, engine_args, prompt, start_daemon, transfer_config, wait_for  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+class Output:
+    """vLLM's log as the test reads it: vLLM writes it to standard output (and replaces its
+    loggers' handlers when an engine starts, so a handler of our own would miss lines)."""
+
+    def __init__(self, capfd: pytest.CaptureFixture[str]) -> None:
+        self.capfd, self.text = capfd, ""
+
+    def having(self, needle: str) -> list[str]:
+        out, err = self.capfd.readouterr()
+        self.text += out + err
+        return [line for line in self.text.splitlines() if needle in line]
+
+
+def test_the_first_request_after_a_late_daemon_is_stored(
+    tiny_model: Path, cx_root: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm import LLM
+
+    monkeypatch.setattr(connection, "UNREACHABLE_LOG_S", 1.0)
+    endpoint = f"ipc://{cx_root}/late/cmd.sock"
+    # A long retry interval: before it, the plug-in learned the host cache's size only at the
+    # next ping after its worker attached, and requests in between were neither looked up nor stored.
+    llm = LLM(**engine_args(tiny_model), kv_transfer_config=transfer_config(endpoint, retry_interval_s=5.0))
+    daemon = None
+    plugin_log = Output(capfd)
+    try:
+        first_warning = plugin_log.having("no daemon at start")
+        assert first_warning and f"no socket at {cx_root}/late/cmd.sock" in first_warning[0], plugin_log.text[-3000:]
+        assert f"cachexferd status --endpoint {endpoint}" in first_warning[0]
+        wait_for(lambda: bool(plugin_log.having("still no daemon after")), 30, "the warning to be repeated")
+        daemon = start_daemon(cx_root, "late", cx_root / "storage")
+        wait_for(lambda: len(plugin_log.having("connected to")) >= 2, 30, "the scheduler and the worker to connect")
+        tokens = prompt(77)
+        first = generate(llm, tokens)  # right away: the host tier opens during this request
+        reset_gpu_cache(llm)
+        again = generate(llm, tokens)
+        assert again[0] == first[0], "the loaded KV changed the greedy tokens"
+        assert again[2] >= len(tokens) // BLOCK * BLOCK, f"came back with {again[2]} cached tokens"
+    finally:
+        shutdown(llm)
+        if daemon is not None:
+            daemon.stop()
