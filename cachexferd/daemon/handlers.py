@@ -149,8 +149,6 @@ class Handlers:
         self.host.set_weights(cmd.version)
         return {"previous": previous, "version": cmd.version}
 
-    # Asynchronous commands ------------------------------------------------------------
-
     def handle_host_keys(self, identity: bytes, cmd: HostKeys) -> dict[str, Any]:
         """A page of the host blocks' identity keys (1.3); empty until the geometry is known."""
         blocks = self.host.geometry.num_blocks if self.host.geometry else 0
@@ -158,6 +156,8 @@ class Handlers:
         end = cmd.start + cmd.count
         return {"host_ids": host_ids, "keys": keys, "next": end if end < blocks else None, "host_blocks": blocks,
                 "host_generation": self.host.generation, "weights_version": self.host.weights_version}  # fmt: skip
+
+    # Asynchronous commands ------------------------------------------------------------
 
     def handle_swap_out(self, cmd: SwapOut) -> Job:
         return self._swap_job(cmd.device_ids, cmd.host_ids, Direction.D2H, cmd.owner, cmd.not_after, cmd.keys)
