@@ -95,11 +95,10 @@ class SwapGroups:
         out_ids, in_ids = _pairs(outs), _pairs(ins)
         if out_ids is None or in_ids is None or not _fit(out_ids, in_ids, cache.layout.num_blocks, host_blocks):
             return None
-        if not self._current(ins, in_ids[1]):
+        if not _keys_fit(cmds) or not self._current(ins, in_ids[1]):
             return None
-        if outs:
-            self._stamp(outs, out_ids[1])
-        return [_group(identity, cache, part, ids, direction, received)
+        succeeded = self._stamp(outs, out_ids[1]) if outs else None
+        return [_group(identity, cache, part, ids, direction, received, succeeded if part is outs else None)
                 for part, ids, direction in ((outs, out_ids, Direction.D2H), (ins, in_ids, Direction.H2D))
                 if part]  # fmt: skip
 
@@ -123,32 +122,47 @@ class SwapGroups:
         if not ins:
             return True
         owners = {cmd.owner for cmd in ins}  # type: ignore[attr-defined]
+        keyed = any(cmd.keys is not None for cmd in ins)  # type: ignore[attr-defined]
         try:
-            if len(owners) == 1:
+            if len(owners) == 1 and not keyed:
                 self.host.check_current(host_ids, owners.pop())
             else:
                 for cmd in ins:
-                    self.host.check_current(cmd.host_ids, cmd.owner)  # type: ignore[attr-defined]
+                    self.host.check_current(cmd.host_ids, cmd.owner, cmd.keys)  # type: ignore[attr-defined]
         except ProtocolError:
             return False
         return True
 
-    def _stamp(self, outs: list[Command], host_ids: list[int]) -> None:
+    def _stamp(self, outs: list[Command], host_ids: list[int]) -> Callable[[], None] | None:
+        """Stamps the written blocks; returns what sets their identity keys once copied (1.3)."""
         owners = {cmd.owner for cmd in outs}  # type: ignore[attr-defined]
-        if len(owners) == 1:
+        keyed = any(cmd.keys for cmd in outs)  # type: ignore[attr-defined]
+        if len(owners) == 1 and not keyed:
             self.host.stamp(host_ids, owners.pop())
-            return
+            return None
+        settlers = []
         for cmd in outs:
-            self.host.stamp(cmd.host_ids, cmd.owner)  # type: ignore[attr-defined]
+            serial = self.host.stamp(cmd.host_ids, cmd.owner)  # type: ignore[attr-defined]
+            if cmd.keys:  # type: ignore[attr-defined]
+                settlers.append(self.host.keys.settler(cmd.host_ids, cmd.keys, serial))  # type: ignore[attr-defined]
+        if not settlers:
+            return None
+
+        def succeeded() -> None:
+            for settle in settlers:
+                settle()
+
+        return succeeded
 
 
 def _group(
     identity: bytes, cache: DeviceCache, cmds: list[Command], ids: tuple[list[int], list[int]], direction: Direction,
-    received: float,
+    received: float, succeeded: Callable[[], None] | None = None,
 ) -> SwapGroup:  # fmt: skip
     device_ids, host_ids = ids
     copy = _new_tuple(Copy, (cache, direction, device_ids, host_ids))
-    job: Job = _new_tuple(Job, (swap_access(device_ids, host_ids, direction is Direction.D2H), None, copy))
+    access = swap_access(device_ids, host_ids, direction is Direction.D2H)
+    job: Job = _new_tuple(Job, (access, None, copy, succeeded))
     return SwapGroup(identity, cmds, received, job, cache.layout.host_block_bytes)
 
 
@@ -163,6 +177,12 @@ def _fit(
         min(device) >= 0 and max(device) < device_blocks and min(host) >= 0 and max(host) < host_blocks
         and len(set(device)) == len(device) and len(set(host)) == len(host)
     )  # fmt: skip
+
+
+def _keys_fit(cmds: Sequence[Command]) -> bool:
+    """Every command's identity keys (1.3), if any, one per host block (else the per-command
+    path gives LENGTH_MISMATCH)."""
+    return all(cmd.keys is None or len(cmd.keys) == len(cmd.host_ids) for cmd in cmds)  # type: ignore[attr-defined]
 
 
 def _pairs(cmds: Sequence[Command]) -> tuple[list[int], list[int]] | None:

@@ -26,6 +26,7 @@ from ..protocol import (
     Detach,
     ErrorCode,
     Hello,
+    HostKeys,
     Limits,
     MsgType,
     Pause,
@@ -125,7 +126,7 @@ class Handlers:
         is decided, so the commands held behind the attach (the barrier) are judged under it."""
         result = await attaching
         if version is not None:
-            self.host.weights_version = version
+            self.host.set_weights(version)
         return {**result, "weights_version": self.host.weights_version}
 
     def handle_detach(self, identity: bytes, cmd: Detach) -> Awaitable[dict[str, Any]]:
@@ -144,20 +145,29 @@ class Handlers:
         return self.pausing.resume()
 
     def handle_set_weights(self, identity: bytes, cmd: SetWeights) -> dict[str, Any]:
-        previous, self.host.weights_version = self.host.weights_version, cmd.version
+        previous = self.host.weights_version
+        self.host.set_weights(cmd.version)
         return {"previous": previous, "version": cmd.version}
+
+    def handle_host_keys(self, identity: bytes, cmd: HostKeys) -> dict[str, Any]:
+        """A page of the host blocks' identity keys (1.3); empty until the geometry is known."""
+        blocks = self.host.geometry.num_blocks if self.host.geometry else 0
+        host_ids, keys = self.host.keys.page(cmd.start, cmd.count)
+        end = cmd.start + cmd.count
+        return {"host_ids": host_ids, "keys": keys, "next": end if end < blocks else None, "host_blocks": blocks,
+                "host_generation": self.host.generation, "weights_version": self.host.weights_version}  # fmt: skip
 
     # Asynchronous commands ------------------------------------------------------------
 
     def handle_swap_out(self, cmd: SwapOut) -> Job:
-        return self._swap_job(cmd.device_ids, cmd.host_ids, Direction.D2H, cmd.owner, cmd.not_after)
+        return self._swap_job(cmd.device_ids, cmd.host_ids, Direction.D2H, cmd.owner, cmd.not_after, cmd.keys)
 
     def handle_swap_in(self, cmd: SwapIn) -> Job:
-        return self._swap_job(cmd.device_ids, cmd.host_ids, Direction.H2D, cmd.owner, cmd.not_after)
+        return self._swap_job(cmd.device_ids, cmd.host_ids, Direction.H2D, cmd.owner, cmd.not_after, cmd.keys)
 
     def _swap_job(
         self, device_ids: list[int], host_ids: list[int], direction: Direction, owner: str | None,
-        not_after: float | None,
+        not_after: float | None, keys: list[str] | None = None,
     ) -> Job:  # fmt: skip
         self.pausing.require_running()
         if not_after is not None:
@@ -167,13 +177,18 @@ class Handlers:
         to_host = direction is Direction.D2H
         dest = "host" if to_host else "device"
         validate.swap_pairs(device_ids, host_ids, cache.layout.num_blocks, geometry.num_blocks, dest)
+        if keys is not None:
+            validate.same_length(host_ids, keys, ("host_ids", "keys"))
+        succeeded = None
         if to_host:
-            self.host.stamp(host_ids, owner)
+            serial = self.host.stamp(host_ids, owner)
+            if keys:
+                succeeded = self.host.keys.settler(host_ids, keys, serial)
         else:
-            self.host.check_current(host_ids, owner)
+            self.host.check_current(host_ids, owner, keys)
         # Positional tuples: a NamedTuple's keyword constructor costs more than the rest of this.
         copy = _new_tuple(Copy, (cache, direction, device_ids, host_ids))
-        job: Job = _new_tuple(Job, (swap_access(device_ids, host_ids, to_host), None, copy))
+        job: Job = _new_tuple(Job, (swap_access(device_ids, host_ids, to_host), None, copy, succeeded))
         return job
 
     def handle_clear_host(self, cmd: ClearHost) -> Job:

@@ -9,7 +9,7 @@ host blocks written under one layout are never read back under another.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..host_cache import HostGeometry, HostPool
@@ -34,6 +34,7 @@ class HostCache:
         self.generation = 0
         self._versions = array("q")  # per host block
         self.owners = OwnerStamps()
+        self.keys = IdentityKeys()  # protocol 1.3
         if block_bytes:
             if block_bytes > pool.capacity:
                 raise ValueError(f"host_cache.block_bytes {block_bytes} exceeds capacity {pool.capacity}")
@@ -43,18 +44,24 @@ class HostCache:
         self.geometry = geometry
         self._versions = array("q", [self.weights_version]) * geometry.num_blocks
         self.owners.resize(geometry.num_blocks)
+        self.keys.resize(geometry.num_blocks)
 
-    def stamp(self, host_ids: Sequence[int], owner: str | None = None) -> None:
+    def stamp(self, host_ids: Sequence[int], owner: str | None = None) -> int:
         """These blocks are about to hold KV computed under the current weights, written by
-        ``owner`` (None: by nobody in particular)."""
+        ``owner`` (None: by nobody in particular). They lose their identity keys until the
+        write succeeds: returns the write's serial for ``IdentityKeys.settle``."""
         version, versions = self.weights_version, self._versions
         for h in host_ids:
             versions[h] = version
         self.owners.stamp(host_ids, owner)
+        return self.keys.begin(host_ids)
 
-    def check_current(self, host_ids: Sequence[int], owner: str | None = None) -> None:
+    def check_current(
+        self, host_ids: Sequence[int], owner: str | None = None, keys: Sequence[str] | None = None
+    ) -> None:
         """STALE_WEIGHTS unless every block was written under the current weights version;
-        with ``owner``, HOST_BLOCK_CHANGED unless every block was last written by it."""
+        with ``owner``, HOST_BLOCK_CHANGED unless every block was last written by it; with
+        ``keys``, unless every block carries its key."""
         version, versions = self.weights_version, self._versions
         for h in host_ids:
             if versions[h] != version:
@@ -64,11 +71,20 @@ class HostCache:
                 )
         if owner is not None:
             self.owners.check(host_ids, owner)
+        if keys is not None:
+            self.keys.check(host_ids, keys)
+
+    def set_weights(self, version: int) -> None:
+        """A new weights version: no block holds KV of it, so none keeps its identity key."""
+        if version != self.weights_version:
+            self.keys.clear()
+        self.weights_version = version
 
     def clear(self) -> int:
         """CLEAR_HOST was accepted: no block belongs to anyone any more. Returns the new generation."""
         self.generation += 1
         self.owners.clear()
+        self.keys.clear()
         return self.generation
 
     def plan(self, layout: KVLayout) -> HostGeometry:
@@ -159,3 +175,74 @@ class OwnerStamps:
     def clear(self) -> None:
         self._ids.clear()
         self._stamps = array("H", [0]) * len(self._stamps)
+
+
+class IdentityKeys:
+    """The identity key of every host block (protocol 1.3): the storage key of the KV it
+    holds, as the client that wrote it named it. Two equal keys name the same KV (model,
+    weights, layout, group and tokens), so a block may be read by any client that names
+    its key, not only by its writer.
+
+    A block carries a key only once the write that named it has succeeded: every accepted
+    write takes the block's key away at once (``begin``, in arrival order) and hands back a
+    serial; ``settle`` then sets the keys of the blocks that no later write has touched
+    since. A failed, cancelled or partial write leaves its blocks without keys."""
+
+    def __init__(self) -> None:
+        self._keys: list[str | None] = []
+        self._serials = array("Q")  # per block: the serial of the write that touched it last
+        self._serial = 0
+        self._keyed = 0  # keys set since the last clear (0: nothing to take away)
+
+    def resize(self, num_blocks: int) -> None:
+        self._keys = [None] * num_blocks
+        self._serials = array("Q", [0]) * num_blocks
+        self._keyed = 0
+
+    def begin(self, host_ids: Sequence[int]) -> int:
+        self._serial += 1
+        serial, serials = self._serial, self._serials
+        if self._keyed:
+            keys = self._keys
+            for h in host_ids:
+                serials[h] = serial
+                keys[h] = None
+        else:
+            for h in host_ids:
+                serials[h] = serial
+        return serial
+
+    def settle(self, host_ids: Sequence[int], keys: Sequence[str], serial: int) -> None:
+        """The write ``serial`` put the KV of ``keys[i]`` into ``host_ids[i]``."""
+        mine, serials = self._keys, self._serials
+        for h, key in zip(host_ids, keys):
+            if serials[h] == serial:
+                mine[h] = key
+                self._keyed += 1
+
+    def settler(self, host_ids: Sequence[int], keys: Sequence[str], serial: int) -> Callable[[], None]:
+        """``settle`` for later (a copy's success)."""
+        return lambda: self.settle(host_ids, keys, serial)
+
+    def check(self, host_ids: Sequence[int], keys: Sequence[str]) -> None:
+        if len(keys) != len(host_ids):
+            raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"{len(keys)} keys for {len(host_ids)} host blocks")
+        mine = self._keys
+        for h, key in zip(host_ids, keys):
+            if mine[h] != key:
+                raise ProtocolError(ErrorCode.HOST_BLOCK_CHANGED, f"host block {h} does not hold the KV of key {key!r}")
+
+    def page(self, start: int, count: int) -> tuple[list[int], list[str]]:
+        """The keyed blocks among ``start .. start+count-1``: (host ids, keys)."""
+        ids: list[int] = []
+        keys: list[str] = []
+        if self._keyed:
+            for h, key in enumerate(self._keys[start : start + count], start):
+                if key is not None:
+                    ids.append(h)
+                    keys.append(key)
+        return ids, keys
+
+    def clear(self) -> None:
+        """Every key goes, and so does every pending write's claim (serials restart at 0)."""
+        self.resize(len(self._keys))

@@ -66,6 +66,8 @@ class Job(NamedTuple):
     access: Access
     work: Work | None = None  # storage I/O, clear-host: a coroutine run as a task
     copy: Copy | None = None  # swaps: batched with the other ready copies
+    # A copy's success, told before its outcome goes out (a SWAP_OUT's identity keys, 1.3).
+    succeeded: Callable[[], None] | None = None
 
 
 def _job(entry: Ordered) -> Job:
@@ -180,6 +182,9 @@ class Jobs:
         for entry, error in zip(entries, errors):
             req = entry.payload
             if error is None:
+                job = _job(entry)
+                if job.succeeded is not None:
+                    job.succeeded()
                 blocks = len(_copy(entry).device_ids)
                 size = blocks * block_bytes
                 moved += size

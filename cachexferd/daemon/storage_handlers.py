@@ -58,10 +58,11 @@ class StorageHandlers:
             raise ProtocolError(ErrorCode.NOT_ATTACHED, "the layout of host blocks is unknown until the first attach")
         return geometry.num_blocks, geometry.block_bytes, fingerprint
 
-    def _validate(self, cmd: Store | Load, writes_keys: bool) -> tuple[int, str, DeviceCache | None]:
-        """Checks a store/load; returns (block bytes, fingerprint, device cache or None).
-        Host blocks that will be written are stamped with the weights version (and the
-        command's owner); a store of host blocks alone needs them to hold KV of the current
+    def _validate(self, cmd: Store | Load, writes_keys: bool) -> tuple[int, str, DeviceCache | None, int]:
+        """Checks a store/load; returns (block bytes, fingerprint, device cache or None, the
+        serial of its host write or 0). Host blocks that will be written are stamped with the
+        weights version (and the command's owner) and lose their identity keys until the
+        write succeeds; a store of host blocks alone needs them to hold KV of the current
         version (and, when it names an owner, to be that owner's)."""
         keys, host_ids, device_ids, owner = cmd.keys, cmd.host_ids, cmd.device_ids, cmd.owner
         self.pausing.require_running()
@@ -81,15 +82,14 @@ class StorageHandlers:
             validate.unique_blocks(host_ids, "host")
         if writes_keys and device_ids is None:
             self.host.check_current(host_ids, owner)
-        else:
-            self.host.stamp(host_ids, owner)
-        return block_bytes, fingerprint, cache
+            return block_bytes, fingerprint, cache, 0
+        return block_bytes, fingerprint, cache, self.host.stamp(host_ids, owner)
 
     # STORE ------------------------------------------------------------------------------
 
     def handle_store(self, cmd: Store) -> Job:
         tier = self._tier()
-        block_bytes, fingerprint, cache = self._validate(cmd, writes_keys=True)
+        block_bytes, fingerprint, cache, serial = self._validate(cmd, writes_keys=True)
         keys, host_ids, device_ids, parent = cmd.keys, cmd.host_ids, cmd.device_ids, cmd.parent
         version = self.host.weights_version  # fixed on arrival, however late the work runs
 
@@ -98,6 +98,7 @@ class StorageHandlers:
                 moved = await cache.swap(Direction.D2H, device_ids, host_ids, cancel)
                 self.metrics.transfer_bytes.labels(Direction.D2H.value).inc(moved)
                 cancel.check()
+                self.host.keys.settle(host_ids, keys, serial)  # staged: the blocks hold these keys' KV
             return await tier.store(keys, host_ids, block_bytes, fingerprint, version, cancel, parent)
 
         if device_ids is None:
@@ -112,12 +113,13 @@ class StorageHandlers:
 
     def handle_load(self, cmd: Load) -> Job:
         tier = self._tier()
-        block_bytes, fingerprint, cache = self._validate(cmd, writes_keys=False)
+        block_bytes, fingerprint, cache, serial = self._validate(cmd, writes_keys=False)
         keys, host_ids, device_ids = cmd.keys, cmd.host_ids, cmd.device_ids
         version = self.host.weights_version
 
         async def work(cancel: CancelToken) -> dict[str, Any]:
             loaded = await tier.load(keys, host_ids, block_bytes, fingerprint, version, cancel) if keys else 0
+            self.host.keys.settle(host_ids[:loaded], keys[:loaded], serial)  # verified: they hold these keys' KV
             result: dict[str, Any] = {"loaded": loaded, "bytes": loaded * block_bytes}
             if cache is not None and device_ids and loaded:
                 cancel.check()

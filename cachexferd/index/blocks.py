@@ -53,6 +53,16 @@ class FreeList:
             self._mark((block,), 1)
         return block
 
+    def take_these(self, ids: Iterable[int]) -> list[int]:
+        """Those of ``ids`` that are free now, taken (one pass over the free list)."""
+        wanted = set(ids)
+        taken = [b for b in self._free if b in wanted]
+        if taken:
+            self._free = [b for b in self._free if b not in wanted]
+            if self._used is not None:
+                self._mark(taken, 1)
+        return taken
+
     def release(self, ids: list[int]) -> None:
         """Returns allocated ids (one batch)."""
         if self._used is not None:

@@ -207,6 +207,30 @@ class OffloadIndex:
             if self.storage:
                 self._event(done, Tier.STORAGE, removed=False)
 
+    def adopt(self, hashes: Sequence[HashLike], host_ids: Sequence[int]) -> list[bytes]:
+        """Blocks already in the host cache that this index did not place (an earlier engine,
+        or another one, wrote them; the daemon vouches for their identity, protocol 1.3):
+        ``hashes[i]`` becomes readable at ``host_ids[i]``, a chain of its own. Blocks already
+        known and ids not free now are skipped. Returns the digests adopted."""
+        get = self.tree.nodes.get
+        pairs = dict(zip(_full_digests(hashes), host_ids))
+        pairs = {d: h for d, h in pairs.items() if get(d) is None and 0 <= h < self.tree.host_free.capacity}
+        taken = set(self.tree.host_free.take_these(pairs.values()))
+        stamp = self.tree.tick()
+        adopted: list[bytes] = []
+        for digest, host in pairs.items():
+            if host not in taken:
+                continue
+            taken.discard(host)  # two digests at one id: the first one wins
+            node = self.tree.child(self.tree.root, digest)
+            self.tree.set_host(node, host)
+            node.stamp = stamp
+            self.tree.settle(node)
+            adopted.append(digest)
+        self.tree.host_free.release(list(taken))
+        self._event(adopted, Tier.HOST, removed=False)
+        return adopted
+
     # Weights, events, checks ---------------------------------------------------------------
 
     def new_weights(self, weights_version: str) -> Invalidation:

@@ -18,6 +18,7 @@ from .errors import ProtocolError
 
 ROLES = frozenset({"engine", "runner", "tool"})
 OWNER_CHARS = 64  # longest owner token of a host block (protocol 1.2)
+HOST_KEYS_PAGE = 16_384  # most host blocks one HOST_KEYS covers (protocol 1.3)
 STORAGE_SOURCES = frozenset({"host", "device"})
 
 
@@ -128,6 +129,15 @@ class SetWeights(Command):
 
 
 @dataclass(frozen=True, kw_only=True)
+class HostKeys(Command):
+    """Protocol 1.3: the identity keys of host blocks ``start .. start+count-1`` (a page)."""
+
+    TYPE = MsgType.HOST_KEYS
+    start: int = _spec(f.integer(0, (1 << 31) - 1), 0)
+    count: int = _spec(f.integer(1, HOST_KEYS_PAGE), HOST_KEYS_PAGE)
+
+
+@dataclass(frozen=True, kw_only=True)
 class SwapOut(Command):
     """Device blocks -> host blocks, pairwise."""
 
@@ -139,6 +149,8 @@ class SwapOut(Command):
     owner: str | None = _spec(f.optional(f.text(OWNER_CHARS)), None)
     # Protocol 1.2: refused with EXPIRED when read after this time (daemon wall clock, epoch s).
     not_after: float | None = _spec(f.optional(f.number(0.0, 1e12)), None)
+    # Protocol 1.3: the identity key of each written host block (one per host id).
+    keys: list[str] | None = _spec(f.optional(f.key_list()), None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,6 +164,8 @@ class SwapIn(Command):
     # Protocol 1.2: every host block read must carry this owner token (HOST_BLOCK_CHANGED).
     owner: str | None = _spec(f.optional(f.text(OWNER_CHARS)), None)
     not_after: float | None = _spec(f.optional(f.number(0.0, 1e12)), None)  # as SWAP_OUT's
+    # Protocol 1.3: every host block read must carry exactly its key (HOST_BLOCK_CHANGED).
+    keys: list[str] | None = _spec(f.optional(f.key_list()), None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,8 +221,8 @@ class Delete(Command):
 
 COMMANDS: dict[MsgType, type[Command]] = {
     cls.TYPE: cls
-    for cls in (Hello, Ping, Status, Attach, Detach, Shutdown, Pause, Resume, SetWeights, SwapOut, SwapIn, ClearHost,
-                Store, Load, Lookup, Delete)
+    for cls in (Hello, Ping, Status, Attach, Detach, Shutdown, Pause, Resume, SetWeights, HostKeys, SwapOut, SwapIn,
+                ClearHost, Store, Load, Lookup, Delete)
 }  # fmt: skip
 ASYNC_TYPES = frozenset(t for t, cls in COMMANDS.items() if cls.ASYNC)
 SYNC_TYPES = frozenset(t for t, cls in COMMANDS.items() if not cls.ASYNC)

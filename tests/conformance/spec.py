@@ -11,7 +11,7 @@ from enum import IntEnum
 
 MAGIC = b"CX"
 MAJOR = 1
-MINOR = 2
+MINOR = 3
 
 
 class T(IntEnum):
@@ -27,6 +27,7 @@ class T(IntEnum):
     BATCH = 8
     RESUME = 9
     SET_WEIGHTS = 10
+    HOST_KEYS = 11
     SWAP_OUT = 16
     SWAP_IN = 17
     CLEAR_HOST = 18
@@ -39,7 +40,9 @@ class T(IntEnum):
     EVENT_BATCH = 130
 
 
-SYNC = frozenset({T.HELLO, T.PING, T.STATUS, T.ATTACH, T.DETACH, T.SHUTDOWN, T.PAUSE, T.RESUME, T.SET_WEIGHTS})
+SYNC = frozenset(
+    {T.HELLO, T.PING, T.STATUS, T.ATTACH, T.DETACH, T.SHUTDOWN, T.PAUSE, T.RESUME, T.SET_WEIGHTS, T.HOST_KEYS}
+)
 ASYNC = frozenset({T.SWAP_OUT, T.SWAP_IN, T.CLEAR_HOST, T.STORE, T.LOAD, T.LOOKUP, T.DELETE})
 
 

@@ -303,6 +303,9 @@ def _random_swap(rng: random.Random, device_blocks: int, host_blocks: int) -> tu
     owner = rng.choice([None, None, "a", "b"])  # a SWAP_IN naming the wrong one: HOST_BLOCK_CHANGED
     if owner is not None:
         fields["owner"] = owner
+    keys = rng.choice([None, None, "x", "y"])  # (1.3) a SWAP_IN naming keys other than those written: refused
+    if keys is not None:
+        fields["keys"] = [f"{keys}{h}" for h in host][: len(host) - (rng.random() < 0.05)]  # LENGTH_MISMATCH
     if rng.random() < 0.04:
         fields["not_after"] = time.time() - 60  # EXPIRED
     return op, fields

@@ -258,3 +258,20 @@ def test_a_failed_load_held_by_another_load_is_dropped_when_the_last_one_fails()
     index.complete_load(a, failed=a)
     assert index.lookup(a) == 0 and index.host_free == 4
     index.check()
+
+
+def test_adopted_host_blocks_are_readable_where_they_are() -> None:
+    index = OffloadIndex(8, debug=True)
+    d = [bytes([i]) * 16 for i in range(4)]
+    # Two digests at one id: the first wins; a digest at a taken id is skipped.
+    assert index.adopt(d[:3], [5, 6, 5]) == d[:2]
+    index.check()
+    assert index.lookup([d[0]]) == 1 and index.lookup([d[1], d[2]]) == 1
+    assert index.prepare_load([d[1]]).host_ids == [6]
+    index.complete_load([d[1]])
+    plan = index.prepare_store([d[3]])
+    assert plan is not None and plan.host_ids[0] not in (5, 6)
+    index.complete_store([d[3]])
+    assert index.adopt([b"\x09" * 16, b"\x0a" * 16], [plan.host_ids[0], 99]) == []  # in use; out of range
+    assert index.adopt([d[3]], [7]) == []  # already known
+    index.check()

@@ -49,3 +49,19 @@ def test_digest_keys_name_a_chain_parent_in_its_group() -> None:
     n = names()
     key = offload_key(b"\x04" * 32, 3)
     assert n.digest_key(n.block_hash(key).digest, 3, 1) == n.key(key, 1)
+
+
+def test_adoptable_blocks_hold_our_names_at_one_id_on_every_rank() -> None:
+    from cachexferd.integrations.vllm.adoption import adoptable
+
+    n = names()
+    a, b, c = (offload_key(bytes([i]) * 32, g) for i, g in ((1, 0), (2, 3), (3, 0)))
+    other = VllmKeyNames.create(model="other", weights_version="0", dtype="bfloat16", layout=LAYOUT,
+                                tokens_per_block={0: 64, 3: 16}, tp_size=2)  # fmt: skip
+    by_rank = {
+        0: {1: n.key(a, 0), 2: n.key(b, 0), 3: n.key(c, 0), 4: other.key(a, 0), 5: "junk"},
+        1: {1: n.key(a, 1), 2: n.key(b, 1), 3: n.key(a, 1)},  # rank 1 holds another block at id 3
+    }
+    digests, host_ids = adoptable(n, by_rank)
+    assert sorted(zip(host_ids, digests)) == [(1, n.block_hash(a).digest), (2, n.block_hash(b).digest)]
+    assert adoptable(n, {1: by_rank[1]}) == ([], [])  # a rank missing: nothing

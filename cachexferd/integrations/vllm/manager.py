@@ -28,6 +28,7 @@ from ...index import OffloadIndex
 from ..engine.connection import DaemonConnection
 from ..engine.index_calls import Chains, prepare_loads, prepare_stores
 from ..engine.options import PluginOptions
+from .adoption import HostKeysFetch, speaks_keys
 from .events import TierEvents
 from .keys import VllmKeyNames
 from .prefetch import StoragePrefetch
@@ -79,8 +80,9 @@ class CachexferdManager(OffloadingManager):
         self._epoch = 0  # indexes built so far: part of the owner token of the current one
         self.prefetch = StoragePrefetch(names, owner=owner, timeout_s=options.max_stall_s, on_place=self.events.know)
         self._storage = False  # whether the current index writes through to storage
+        self._adoption: HostKeysFetch | None = None  # reading what an earlier instance left (1.3)
         self.stats = {"lookups": 0, "hits": 0, "loads": 0, "stores": 0, "store_refused": 0, "rebuilds": 0,
-                      "failed": 0}  # fmt: skip
+                      "failed": 0, "adopted": 0}  # fmt: skip
         conn.start()
         self._refresh()
 
@@ -103,6 +105,8 @@ class CachexferdManager(OffloadingManager):
                 self.index = self._build_index()
                 if self.index is not None:
                     self._built_for = built_for
+                    self._read_host_keys()
+            self._adopt()
             return self.index
 
     def _attaching(self) -> bool:
@@ -111,7 +115,27 @@ class CachexferdManager(OffloadingManager):
         instead of missing it, for at most ``ATTACH_WAIT_S``."""
         return self.conn.usable and time.monotonic() - self.conn.opened_at < ATTACH_WAIT_S
 
+    def _read_host_keys(self) -> None:
+        """A new index: learn, off this thread, which host blocks an earlier instance left."""
+        self._adoption = None
+        if speaks_keys(self.conn.hellos):
+            self._adoption = HostKeysFetch(self.names, self.conn.endpoints, self.conn.boot_ids,
+                                           self.options.connect_timeout_s)  # fmt: skip
+
+    def _adopt(self) -> None:
+        """Files the host blocks read for the current index (nothing waits for them)."""
+        fetch, index = self._adoption, self.index
+        if fetch is None or index is None or not fetch.done.is_set():
+            return
+        self._adoption = None
+        if fetch.result is not None and fetch.result[0]:
+            adopted = index.adopt(*fetch.result)
+            self.stats["adopted"] += len(adopted)
+            log.info("cachexferd: %d of %d block(s) an earlier instance left in the host tier are loadable",
+                     len(adopted), len(fetch.result[0]))  # fmt: skip
+
     def _drop_index(self) -> None:
+        self._adoption = None  # read for the old index: the next one reads again
         if self.index is not None:
             self.prefetch.reset()
             self.events.host_gone()  # nothing of the old host tier is loadable any more
@@ -154,8 +178,10 @@ class CachexferdManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         index = self._refresh()  # (the scheduler's single thread uses the index; the lock guards the connection)
         self.stats["lookups"] += 1
-        if index is None and self._attaching():
-            return LookupResult.RETRY  # the host tier is about to open: vLLM asks again next step
+        if (index is None or self._adoption is not None) and self._attaching():
+            # The host tier is about to open, or to learn what an earlier instance left in
+            # it: vLLM asks again next step.
+            return LookupResult.RETRY
         if index is None or not self.conn.usable or not self.serve_loads:
             return LookupResult.MISS  # a daemon behind: no load it could not serve (nor failure to forget)
         if index.lookup(self._digests([key])):

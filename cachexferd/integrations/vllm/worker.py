@@ -42,6 +42,7 @@ from ...client.pending import Completion
 from ...protocol import MsgType
 from ..engine.connection import RESTART_ERRORS, DaemonConnection
 from ..engine.failures import FailureLog
+from .adoption import speaks_keys
 from .keys import VllmKeyNames, group_of
 from .transfer_specs import HostLoadSpec, HostStoreSpec
 from .vllm_api import GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, OffloadKey, TransferResult
@@ -144,8 +145,8 @@ class CachexferdWorker(OffloadingWorker):
                 # Same DEALER, sent first: the daemon reads these host blocks before the swap-out
                 # below may overwrite them (write-after-read keeps receive order).
                 self._send_store(client, dst_spec.evicted_keys, dst_spec.evicted_host_ids, job.owner)
-            rid = client.submit(MsgType.SWAP_OUT, self._copy_fields(job, job.device_ids, dst_spec.host_ids),
-                                self._timeout(job))  # fmt: skip
+            fields = self._copy_fields(job, job.device_ids, dst_spec.host_ids, job.keys)
+            rid = client.submit(MsgType.SWAP_OUT, fields, self._timeout(job))
             self._add_part(job, rid, _Part(job, MsgType.SWAP_OUT, job.device_ids, dst_spec.host_ids, job.keys,
                                            then_store=dst_spec.write_through and self.writes_storage,
                                            parent=dst_spec.parent))  # fmt: skip
@@ -168,7 +169,7 @@ class CachexferdWorker(OffloadingWorker):
             load = [(d, h, k) for d, h, k, from_storage in rows if from_storage]
             if swap:
                 d, h, k = (list(x) for x in zip(*swap))
-                rid = client.submit(MsgType.SWAP_IN, self._copy_fields(job, d, h), self._timeout(job))
+                rid = client.submit(MsgType.SWAP_IN, self._copy_fields(job, d, h, k), self._timeout(job))
                 self._add_part(job, rid, _Part(job, MsgType.SWAP_IN, d, h, k))
             if load:
                 d, h, k = (list(x) for x in zip(*load))
@@ -200,12 +201,21 @@ class CachexferdWorker(OffloadingWorker):
             return None, f"daemon {self.conn.verdict.value}"
         return self.conn.client, ""
 
-    def _copy_fields(self, job: _Job, device_ids: list[int], host_ids: list[int]) -> dict[str, object]:
+    def _copy_fields(
+        self, job: _Job, device_ids: list[int], host_ids: list[int], keys: list[OffloadKey] | None = None
+    ) -> dict[str, object]:
         # not_after, on the daemon's wall clock (same host): a load is refused if read after
         # we may have given up on it; a store, whose late copy harms nothing, when nobody
         # waits for it any more.
         not_after = time.time() + ((job.soft if job.is_load else job.deadline) - time.monotonic())
-        return {"device_ids": device_ids, "host_ids": host_ids, "owner": job.owner, "not_after": not_after}
+        fields = {"device_ids": device_ids, "host_ids": host_ids, "owner": job.owner, "not_after": not_after}
+        if keys is not None and speaks_keys(self.conn.hellos):
+            # Protocol 1.3: swaps name each block's identity key. A SWAP_IN then reads by key
+            # alone (the block may be one an earlier instance wrote: adoption.py).
+            fields["keys"] = self.names.keys(keys, self.rank)
+            if job.is_load:
+                del fields["owner"]
+        return fields
 
     @staticmethod
     def _timeout(job: _Job) -> float:
