@@ -4,6 +4,7 @@ come seconds later; and while no daemon answers, the plug-in says why, and says 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -18,21 +19,23 @@ from .rig import BLOCK, engine_args, prompt, start_daemon, transfer_config, wait
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-class Output:
-    """vLLM's log as the test reads it: vLLM writes it to standard output (and replaces its
-    loggers' handlers when an engine starts, so a handler of our own would miss lines)."""
+class Lines(logging.Handler):
+    """The plug-in's log lines. Attached once the engine exists: vLLM reconfigures its
+    loggers while an engine starts, which drops handlers added before."""
 
-    def __init__(self, capfd: pytest.CaptureFixture[str]) -> None:
-        self.capfd, self.text = capfd, ""
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
 
-    def having(self, needle: str) -> list[str]:
-        out, err = self.capfd.readouterr()
-        self.text += out + err
-        return [line for line in self.text.splitlines() if needle in line]
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def having(self, text: str) -> list[str]:
+        return [line for line in self.lines if text in line]
 
 
 def test_the_first_request_after_a_late_daemon_is_stored(
-    tiny_model: Path, cx_root: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tiny_model: Path, cx_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from vllm import LLM
 
@@ -42,12 +45,14 @@ def test_the_first_request_after_a_late_daemon_is_stored(
     # next ping after its worker attached, and requests in between were neither looked up nor stored.
     llm = LLM(**engine_args(tiny_model), kv_transfer_config=transfer_config(endpoint, retry_interval_s=5.0))
     daemon = None
-    plugin_log = Output(capfd)
+    plugin_log = Lines()
+    logging.getLogger("vllm.cachexferd").addHandler(plugin_log)
     try:
-        first_warning = plugin_log.having("no daemon at start")
-        assert first_warning and f"no socket at {cx_root}/late/cmd.sock" in first_warning[0], plugin_log.text[-3000:]
-        assert f"cachexferd status --endpoint {endpoint}" in first_warning[0]
+        # Repeated while no daemon answers: what is wrong at the endpoint, and how to look.
         wait_for(lambda: bool(plugin_log.having("still no daemon after")), 30, "the warning to be repeated")
+        warning = plugin_log.having("still no daemon after")[0]
+        assert f"no socket at {cx_root}/late/cmd.sock" in warning, warning
+        assert f"cachexferd status --endpoint {endpoint}" in warning, warning
         daemon = start_daemon(cx_root, "late", cx_root / "storage")
         wait_for(lambda: len(plugin_log.having("connected to")) >= 2, 30, "the scheduler and the worker to connect")
         tokens = prompt(77)
@@ -57,6 +62,7 @@ def test_the_first_request_after_a_late_daemon_is_stored(
         assert again[0] == first[0], "the loaded KV changed the greedy tokens"
         assert again[2] >= len(tokens) // BLOCK * BLOCK, f"came back with {again[2]} cached tokens"
     finally:
+        logging.getLogger("vllm.cachexferd").removeHandler(plugin_log)
         shutdown(llm)
         if daemon is not None:
             daemon.stop()
