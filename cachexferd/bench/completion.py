@@ -212,6 +212,7 @@ def run_config(
         cluster.wait_quiet()  # a daemon still working off an overload would skew the next run
         log, engine = (run_idle if name == "idle" else RUNS[name])(daemons, rate, args, work)
         rows.append(summarize(name, tp, rate, log, engine.expected, engine.client_time))
+        rows[-1]["errors"] = dict(getattr(engine, "errors", {}))  # what failed completions said
     add_loss(rows)
     add_floor(rows)
     for row in rows:

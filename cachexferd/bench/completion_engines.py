@@ -14,6 +14,7 @@ import contextlib
 import functools
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -130,6 +131,7 @@ class OriginEngine:
     def __init__(self, daemon_pids: list[int]) -> None:
         self.daemon_pids = daemon_pids
         self.origins: dict[int, float] = {}  # req_id -> submit time
+        self.errors: Counter[str] = Counter()  # error name -> failed completions
         self.sent = 0
         self.client_time = ClientTime()
 
@@ -170,6 +172,7 @@ class ClientEngine(OriginEngine):
         started = self.client_time.start()
         done = self.client.poll()
         self.client_time.stop("poll", started)
+        self.errors.update(name for c in done if not c.ok for name, _ in c.errors.values())
         return [(self.origins.pop(c.req_id), c.ok) for c in done if c.req_id in self.origins]
 
 

@@ -38,7 +38,7 @@ def test_tiny_run_reports_every_engine(tmp_path: Path) -> None:
             continue
         assert run["expected"] >= 10, run  # 40/s for 0.5 s
         assert run["delivered"] == run["expected"] and run["missing"] == 0, run
-        assert run["failed"] == 0, run
+        assert run["failed"] == 0, f"{run['engine']}: {run['failed']} failed: {run.get('errors')}"
         assert 0 < run["p50_ms"] <= run["p99_ms"] <= run["max_ms"], run
         assert 1 <= run["p50_steps"] <= run["p99_steps"], run
         assert run["client_us_per_cmd"] > 0 and run["loss"] is not None, run
