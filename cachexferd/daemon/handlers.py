@@ -109,7 +109,8 @@ class Handlers:
         }
 
     def handle_ping(self, identity: bytes, cmd: Command) -> dict[str, Any]:
-        return {"time": time.time(), "host_generation": self.host.generation}
+        return {"time": time.time(), "host_generation": self.host.generation,
+                "weights_version": self.host.weights_version}  # fmt: skip
 
     def handle_status(self, identity: bytes, cmd: Command) -> dict[str, Any]:
         return self._status()

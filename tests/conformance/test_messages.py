@@ -74,7 +74,7 @@ def test_ping(main: DaemonProc, connect: ClientFactory) -> None:
     client = connect(main)
     reply = client.call(T.PING)
     assert reply.ok and reply.body["op"] == T.PING
-    assert kinds(reply.result) == {"time": "float", "host_generation": "int"}
+    assert kinds(reply.result) == {"time": "float", "host_generation": "int", "weights_version": "int"}
     assert abs(reply.result["time"] - time.time()) < 60, "PING time is the daemon's wall clock (epoch seconds)"
     assert reply.body["boot_id"] == client.boot_id
 

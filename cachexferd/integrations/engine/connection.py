@@ -131,6 +131,10 @@ class DaemonConnection:
     def generations(self) -> list[int | None]:
         return [p.generation for p in self._probes]
 
+    def weights_versions(self) -> list[int | None]:
+        """Each daemon's weights version: host blocks written under another one are never loaded."""
+        return [p.weights_version for p in self._probes]
+
     def statuses(self) -> list[dict[str, Any]]:
         """The last STATUS of each daemon (asked for once per boot, and by ``ask_status``)."""
         return [p.status for p in self._probes]

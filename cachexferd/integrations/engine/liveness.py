@@ -53,6 +53,7 @@ class Probe:
         self.boot_id: str | None = None  # from the last reply; None until one arrives
         self.pid: int | None = None  # the daemon's process, from a STATUS of this boot
         self.generation: int | None = None  # host-cache generation (protocol 1.2; None from older daemons)
+        self.weights_version: int | None = None  # the daemon's weights version (None from older daemons)
         self.status: dict[str, Any] = {}  # the last STATUS result
         self.unanswered_since: float | None = None  # send time of the oldest unanswered ping
         self.last_reply = 0.0
@@ -99,13 +100,15 @@ class Probe:
                 # Checked locally only when that pid is the daemon here (not another pid namespace).
                 self.pid = pid if self.local and isinstance(pid, int) and _is_daemon(pid) else None
                 host = result.get("host_cache") or {}
-                generation = host.get("generation")
+                generation, weights = host.get("generation"), host.get("weights_version")
                 # Until a runner attaches, the host block size (and count) is unknown: ask again.
                 self._want_status = not host.get("num_blocks")
             else:
-                generation = result.get("host_generation")
+                generation, weights = result.get("host_generation"), result.get("weights_version")
             if isinstance(generation, int):
                 self.generation = generation
+            if isinstance(weights, int):
+                self.weights_version = weights
 
     def verdict(
         self, now: float, known_boot: str | None, slow_after_s: float, lost_after_s: float
@@ -142,6 +145,7 @@ class Probe:
         self.boot_id = None
         self.pid = None
         self.generation = None
+        self.weights_version = None
         self._want_status = True
 
     def close(self) -> None:

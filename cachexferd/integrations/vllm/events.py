@@ -9,6 +9,10 @@ keys (the index knows blocks by digest only, so the keys are remembered when blo
 placed). A host tier the manager drops (a daemon lost or restarted, a cleared host cache, a
 reset) is reported removed block by block, the same step.
 
+What waits for vLLM to take it is bounded (``max_pending`` blocks): should vLLM stop taking
+events (a stalled step), the oldest are dropped and counted (``dropped``), so events cost a
+bounded amount of memory and never hold a step or a copy.
+
 A host block is announced only once every rank has it (vLLM completes a store when all
 workers did), and removed as soon as the index stops offering it, so no event claims a
 block a load would not deliver.
@@ -16,6 +20,7 @@ block a load would not deliver.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 
 from ...index import OffloadEvent, Tier
@@ -23,14 +28,18 @@ from .vllm_api import Medium, OffloadingEvent, OffloadKey
 
 _MEDIUM = {Tier.HOST: Medium.CPU, Tier.STORAGE: Medium.STORAGE}
 _SPARE_KEYS = 100_000  # keys of blocks in flight (or failed) kept beyond those resident
+MAX_PENDING_BLOCKS = 500_000  # blocks named by events waiting for vLLM (~100 bytes each)
 
 
 class TierEvents:
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, max_pending: int = MAX_PENDING_BLOCKS) -> None:
         self.enabled = enabled
+        self.max_pending = max_pending
+        self.dropped = 0  # blocks named by events dropped unpublished (the oldest first)
         self._keys: dict[bytes, OffloadKey] = {}  # digest -> vLLM's offload key
         self._resident: dict[Tier, set[bytes]] = {Tier.HOST: set(), Tier.STORAGE: set()}
-        self._pending: list[OffloadingEvent] = []
+        self._pending: deque[OffloadingEvent] = deque()
+        self._pending_blocks = 0
 
     def know(self, keys: Sequence[OffloadKey], digests: Sequence[bytes]) -> None:
         """Blocks about to be placed: their keys, for the events that will name them."""
@@ -51,16 +60,39 @@ class TierEvents:
             keys = [self._keys[d] for d in event.hashes if d in self._keys]
             if keys:
                 self._pending.append(OffloadingEvent(keys=keys, medium=_MEDIUM[event.tier], removed=event.removed))
+                self._pending_blocks += len(keys)
+        if self._pending_blocks > self.max_pending:
+            self._drop_oldest()
+
+    def gone(self, *tiers: Tier) -> None:
+        """Whole tiers stopped being loadable (the host tier, or also storage on new weights)."""
+        for tier in tiers:
+            if self.enabled and self._resident[tier]:
+                self.add([OffloadEvent(list(self._resident[tier]), tier, removed=True)])
 
     def host_gone(self) -> None:
         """The whole host tier stopped being loadable."""
-        host = self._resident[Tier.HOST]
-        if self.enabled and host:
-            self.add([OffloadEvent(list(host), Tier.HOST, removed=True)])
+        self.gone(Tier.HOST)
 
     def take(self) -> list[OffloadingEvent]:
-        out, self._pending = self._pending, []
+        out, self._pending, self._pending_blocks = list(self._pending), deque(), 0
         return out
+
+    def _drop_oldest(self) -> None:
+        """Down to ``max_pending`` blocks: whole events first, then the front of the oldest."""
+        excess = self._pending_blocks - self.max_pending
+        while excess > 0:
+            oldest = self._pending[0]
+            if len(oldest.keys) <= excess:
+                self._pending.popleft()
+                cut = len(oldest.keys)
+            else:
+                self._pending[0] = OffloadingEvent(keys=oldest.keys[excess:], medium=oldest.medium,
+                                                   removed=oldest.removed)  # fmt: skip
+                cut = excess
+            excess -= cut
+            self._pending_blocks -= cut
+            self.dropped += cut
 
     def _resident_count(self) -> int:
         return sum(len(r) for r in self._resident.values())

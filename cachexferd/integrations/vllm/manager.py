@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-from ...index import OffloadIndex
+from ...index import OffloadIndex, Tier
 from ..engine.connection import DaemonConnection
 from ..engine.index_calls import Chains, prepare_loads, prepare_stores
 from ..engine.options import PluginOptions
@@ -74,7 +74,8 @@ class CachexferdManager(OffloadingManager):
             lambda blocks, storage: OffloadIndex(blocks, names.space, storage=storage, events=events)
         )
         self.index: OffloadIndex | None = None
-        self._built_for: tuple[int, list[int | None]] = (-1, [])  # (conn.opened, host generations)
+        self._built_for: tuple[int, list[int | None], list[int | None]] = (-1, [], [])  # (conn.opened,
+        # host generations, weights versions)
         self._failed: set[bytes] = set()  # digests the workers reported failed, until completed
         self._owner_base = owner
         self._epoch = 0  # indexes built so far: part of the owner token of the current one
@@ -95,9 +96,13 @@ class CachexferdManager(OffloadingManager):
             if self.conn.tick() is not None or not self.conn.up:
                 self._drop_index()
                 return None
-            built_for = (self.conn.opened, self.conn.generations())
+            built_for = (self.conn.opened, self.conn.generations(), self.conn.weights_versions())
             if self.index is not None and built_for != self._built_for:
-                if built_for[0] == self._built_for[0]:
+                if built_for[0] == self._built_for[0] and built_for[2] != self._built_for[2]:
+                    log.warning("cachexferd: a daemon's weights version changed (%s -> %s): the host and "
+                                "storage tiers start empty", self._built_for[2], built_for[2])  # fmt: skip
+                    self.events.gone(Tier.STORAGE)  # objects of other weights are never found
+                elif built_for[0] == self._built_for[0]:
                     log.warning("cachexferd: a daemon's host cache was cleared (generation %s -> %s): "
                                 "the host tier starts empty", self._built_for[1], built_for[1])  # fmt: skip
                 self._drop_index()
