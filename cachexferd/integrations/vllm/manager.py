@@ -294,12 +294,12 @@ class CachexferdManager(OffloadingManager):
         self._refresh()
 
     def shutdown(self) -> None:
-        log.info("cachexferd: scheduler-side totals: %s", self.stats)
+        log.info("cachexferd: scheduler-side totals: %s", {**self.stats, "events_dropped": self.events.dropped})
         self.conn.close()
 
     def describe(self) -> dict[str, Any]:
         return {"connected": self.conn.up, "index": self.index is not None, "promoted": self.prefetch.promoted,
-                **self.stats}  # fmt: skip
+                **self.stats, "events_dropped": self.events.dropped}  # fmt: skip
 
 
 def _has_storage(status: dict[str, Any]) -> bool:
