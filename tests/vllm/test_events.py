@@ -1,10 +1,13 @@
 """The plug-in's host tier in vLLM's own KV event stream, read the way a router reads it:
 vLLM's ``KVEventBatch`` decoded from a ZeroMQ SUB socket. Blocks that reach the daemon's
 host tier are announced ``BlockStored`` with medium ``CPU``, and are loadable then; when the
-host cache is cleared under vLLM, every one of them is announced ``BlockRemoved``."""
+host cache is cleared under vLLM, the daemon's weights version changes or the daemon is
+killed, every one of them is announced ``BlockRemoved`` within a step of the plug-in noticing
+(at its next ping), and none is claimed again unless stored anew."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,45 +16,27 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/setup-vllm.sh makes a venv with it)")
 
+from cachexferd.client import EngineClient  # noqa: E402
 from cachexferd.launch import DaemonProcess  # noqa: E402
+from cachexferd.protocol import SetWeights  # noqa: E402
 
 from .engines import generate, reset_gpu_cache, shutdown  # noqa: E402
-from .rig import BLOCK, clear_host, engine_args, ops, prompt, start_daemon, transfer_config, wait_for  # noqa: E402
+from .kv_events import Subscriber  # noqa: E402
+from .rig import (  # noqa: E402
+    BLOCK,
+    attached_runner,
+    clear_host,
+    engine_args,
+    metric,
+    ops,
+    prompt,
+    start_daemon,
+    transfer_config,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(400)]
 PROMPTS = [prompt(500 + seed) for seed in range(3)]
-
-
-class Subscriber:
-    """A router's view: the hashes it holds per medium, from vLLM's KV events."""
-
-    def __init__(self, endpoint: str) -> None:
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self.sock = zmq.Context.instance().socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.connect(endpoint)
-        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self.held: dict[str, set[Any]] = {}
-        self.removed: dict[str, set[Any]] = {}
-
-    def drain(self) -> None:
-        from vllm.distributed.kv_events import BlockRemoved, BlockStored
-
-        while self.sock.poll(50):
-            _topic, _seq, payload = self.sock.recv_multipart()
-            for event in self.decoder.decode(payload).events:
-                medium = str(getattr(event, "medium", None))
-                if isinstance(event, BlockStored):
-                    self.held.setdefault(medium, set()).update(event.block_hashes)
-                elif isinstance(event, BlockRemoved):
-                    self.held.setdefault(medium, set()).difference_update(event.block_hashes)
-                    self.removed.setdefault(medium, set()).update(event.block_hashes)
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +77,72 @@ def test_host_blocks_are_announced_when_loadable_and_removed_when_cleared(
     wait_for(lambda: bool(generate(llm, short)) and (sub.drain() or held <= sub.removed.get("CPU", set())), 20,
              "BlockRemoved for every CPU block after CLEAR_HOST")  # fmt: skip
     assert not (held & sub.held.get("CPU", set())), "the router still holds blocks of the cleared host cache"
+
+
+def test_a_new_weights_version_removes_every_host_block_and_none_is_claimed_again(
+    rig: tuple[Any, DaemonProcess, Subscriber],
+) -> None:
+    llm, daemon, sub = rig
+    prompts = [prompt(600 + seed) for seed in range(3)]
+    held = store(llm, sub, prompts)
+    # A trainer puts new weights in force (SET_WEIGHTS): host blocks of the old ones are never
+    # read again, so the router must stop holding them (at the plug-in's next ping).
+    with EngineClient([daemon.endpoint]) as trainer:
+        trainer.connect(timeout_s=10)
+        trainer.call_all(SetWeights, version=int(daemon.status()["host_cache"]["weights_version"]) + 1)
+    removed(llm, sub, held, "BlockRemoved for every CPU block after SET_WEIGHTS")
+    # The same prompts are stored anew under the new weights; what the router then holds loads.
+    stale = metric(daemon, "cachexferd_commands_total", op="swap_in", outcome="stale_weights")
+    reset_gpu_cache(llm)
+    store(llm, sub, prompts)
+    comes_back(llm, daemon, prompts)
+    assert metric(daemon, "cachexferd_commands_total", op="swap_in", outcome="stale_weights") == stale
+
+
+def test_a_killed_daemon_removes_every_host_block_and_its_successor_announces_only_loadable_ones(
+    rig: tuple[Any, DaemonProcess, Subscriber], cx_root: Path, request: pytest.FixtureRequest
+) -> None:
+    llm, daemon, sub = rig
+    store(llm, sub, [prompt(700 + seed) for seed in range(2)])
+    lost = set(sub.cpu())
+    daemon.kill()
+    removed(llm, sub, lost, "BlockRemoved for every CPU block after the daemon's SIGKILL")
+    new = start_daemon(cx_root, "events", cx_root / "storage-events")
+    request.addfinalizer(new.stop)
+    wait_for(lambda: attached_runner(new) == os.getpid(), 30, "the engine to attach to the new daemon")
+    before = set(sub.cpu())
+    wait_for(lambda: bool(generate(llm, prompt(800))) and (sub.drain() or bool(sub.cpu() - before)), 30,
+             "the plug-in to announce blocks of the new daemon")  # fmt: skip
+    prompts = [prompt(900 + seed) for seed in range(2)]
+    store(llm, sub, prompts)
+    assert not (sub.cpu() & lost), "blocks of the killed daemon's host tier are claimed again"
+    comes_back(llm, new, prompts)
+
+
+SHORT = PROMPTS[0][:16]  # one step of a request: stores and events complete meanwhile
+
+
+def store(llm: Any, sub: Subscriber, prompts: list[list[int]]) -> set[Any]:
+    """Runs ``prompts`` and steps until the router holds every one of their full blocks as CPU; returns those."""
+    sub.drain()
+    before = set(sub.cpu())
+    for p in prompts:
+        generate(llm, p)
+    want = sum(len(p) // BLOCK for p in prompts)
+    wait_for(lambda: bool(generate(llm, SHORT)) and (sub.drain() or len(sub.cpu() - before) >= want), 30,
+             "the CPU BlockStored events")  # fmt: skip
+    return sub.cpu() - before
+
+
+def removed(llm: Any, sub: Subscriber, held: set[Any], what: str) -> None:
+    """Steps until every block of ``held`` is announced removed (the plug-in notices at a ping)."""
+    wait_for(lambda: bool(generate(llm, SHORT)) and (sub.drain() or not (held & sub.cpu())), 20, what)
+    assert held <= sub.removed.get("CPU", set())
+
+
+def comes_back(llm: Any, daemon: DaemonProcess, prompts: list[list[int]]) -> None:
+    """What the router holds is loadable: with vLLM's own cache empty, the prompts come back cached from the daemon."""
+    reset_gpu_cache(llm)
+    loads = ops(daemon, "swap_in")
+    assert all(generate(llm, p)[2] >= len(p) // BLOCK * BLOCK - BLOCK for p in prompts)
+    assert ops(daemon, "swap_in") > loads
