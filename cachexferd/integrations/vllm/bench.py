@@ -19,6 +19,9 @@ with the blocks and bytes the daemon moved. A third engine, vLLM alone with a KV
 holds every conversation (``roomy``), shows what a hit in vLLM's own cache costs: the
 plug-in's returning turns are compared with it too.
 
+``--kv-events``: instead, what publishing the plug-in's tiers in vLLM's KV events costs, with
+events on and off in the same run (bench_events.py).
+
 Also measured, each with vLLM alone in the same run:
 - memory: one engine of each kind with a larger KV cache (``--memory-kv-mib``), each in a
   process of its own: start-up time and the worker's peak RSS (VmHWM);
@@ -74,13 +77,14 @@ def page_bytes_per_block(args: argparse.Namespace) -> int:
 
 
 def engine(
-    args: argparse.Namespace, model: Path, endpoint: str | None, kv_blocks: int | None = None, scale: int = 1
-) -> Any:
+    args: argparse.Namespace, model: Path, endpoint: str | None, kv_blocks: int | None = None, scale: int = 1,
+    **more: Any,
+) -> Any:  # fmt: skip
     from .vllm_api import offline_engine
 
     LLM, _ = offline_engine()
     kv_blocks = kv_blocks or args.gpu_blocks
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(more)  # more of vLLM's engine arguments (kv_events_config)
     if endpoint is not None:
         extra["kv_transfer_config"] = transfer_config(endpoint, args.storage)
     if args.kind != "dense":
@@ -384,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-bind", default="0", help="VLLM_CPU_OMP_THREADS_BIND for both engines ('auto': vLLM's)")
     p.add_argument("--memory-kv-mib", type=int, default=512, help="KV cache of the memory runs (0: skip them)")
     p.add_argument("--no-faults", dest="faults", action="store_false", help="skip the daemon-fault requests")
+    p.add_argument("--kv-events", action="store_true", help="instead: plug-in engines with vLLM's KV events on and off")
+    p.add_argument("--micro-blocks", type=int, default=200_000, help="--kv-events: blocks stored per engine-side round")
     p.add_argument("--json", help="write every measurement here")
     p.add_argument("--measure-one", action="store_true", help=argparse.SUPPRESS)  # one memory run (internal)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -392,8 +398,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.measure_one:  # vLLM logs to stdout too: the figures go to the --json file
         Path(args.json).write_text(json.dumps(measure_one(args)))
         return 0
+    if args.kv_events:
+        return kv_events(args)
     result = run(args)
     print(summarize(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def kv_events(args: argparse.Namespace) -> int:
+    from . import bench_events
+
+    root = Path(tempfile.mkdtemp(prefix="cxb-"))
+    try:
+        model = make_model(root / "model", args.layers, args.hidden, args.heads, args.kv_heads)
+        result = bench_events.run(args, model, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(bench_events.summarize(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

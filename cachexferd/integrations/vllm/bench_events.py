@@ -1,0 +1,233 @@
+"""What publishing the plug-in's tiers in vLLM's KV events costs (``bench --kv-events``).
+
+Two parts, each with events on and off in the same run:
+
+- per block stored, engine-side: the index's event records and ``TierEvents`` (the keys it
+  remembers, the events it builds), measured alone over stores of ``--micro-blocks`` blocks
+  into a host tier that evicts;
+- two plug-in engines, one with vLLM's ``kv_events_config`` on (a router subscribed from
+  another process), one without, each with a daemon of its own, served the same turns
+  interleaved (none always goes first): the time the plug-in's scheduler side (the
+  manager's calls) takes per engine step, TTFT, and the CPU time each daemon spent per
+  block it stored. The engines run in this process (vLLM's in-process engine core) so that
+  the manager's calls can be timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import select
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ...index import OffloadIndex
+from ...launch import DaemonProcess
+from ..engine.index_calls import Chains, prepare_stores
+from .events import TierEvents
+
+TIMED = ("lookup", "on_schedule_end", "prepare_load", "touch", "complete_load", "prepare_store", "complete_store",
+         "mark_failed", "take_events")  # fmt: skip
+_ROUTER = """import select, sys, zmq
+sock = zmq.Context().socket(zmq.SUB)
+sock.setsockopt(zmq.SUBSCRIBE, b"")
+sock.connect(sys.argv[1])
+count = 0
+while not select.select([sys.stdin], [], [], 0)[0]:  # until stdin closes
+    while sock.poll(100):
+        sock.recv_multipart()
+        count += 1
+print(count)
+"""  # a router in a process of its own: counts the event batches it receives
+
+
+def micro(blocks: int, chain: int = 16, host_blocks: int = 2048, rounds: int = 7) -> dict[str, Any]:
+    """CPU µs per block stored (know, place, complete, events taken), events off and on,
+    alternated; the fastest round of each (the least disturbed on a shared machine)."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    rng = random.Random(0)
+    for _ in range(rounds):
+        for on in (False, True):
+            digests = [rng.randbytes(16) for _ in range(blocks)]
+            index, events = OffloadIndex(host_blocks, events=on), TierEvents(enabled=on)
+            start = time.process_time()
+            for i in range(0, blocks, chain):
+                run = digests[i : i + chain]
+                events.know([d + b"\0\0\0\0" for d in run], run)  # vLLM's keys: hash and group
+                if prepare_stores(index, run, chains=Chains()) is not None:
+                    index.complete_store(run)
+                events.add(index.take_events())
+                events.take()
+            times[on].append((time.process_time() - start) / blocks * 1e6)
+    off, on_ = min(times[False]), min(times[True])
+    return {"off_us": off, "on_us": on_, "events_us": on_ - off, "rounds_off_us": times[False],
+            "rounds_on_us": times[True]}  # fmt: skip
+
+
+def timed_manager(llm: Any) -> dict[str, float]:
+    """Wraps the plug-in manager's calls of an in-process engine; returns the running totals:
+    the CPU time of the engine's thread in them (not the wall time: on a shared machine, a
+    call preempted by another process would count that process's time)."""
+    manager = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler.manager
+    totals = {"seconds": 0.0, "steps": 0.0}
+
+    def wrap(name: str) -> None:
+        call = getattr(manager, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                totals["seconds"] += time.thread_time() - start
+                totals["steps"] += name == "on_schedule_end"
+
+        setattr(manager, name, timed)
+
+    for name in TIMED:
+        wrap(name)
+    return totals
+
+
+def daemon_cpu_s(daemon: DaemonProcess) -> float:
+    assert daemon.proc is not None
+    fields = Path(f"/proc/{daemon.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+class EngineChild:
+    """A plug-in engine in a process of its own (vLLM keeps one KV connector per process),
+    its engine core in-process so that the manager's calls are timed there. Prompts go in on
+    its stdin; the TTFT and the manager's running totals come back on a pipe of their own
+    (vLLM logs to stdout)."""
+
+    def __init__(self, args: argparse.Namespace, model: Path, daemon: str, events: str | None) -> None:
+        read, write = os.pipe()
+        config = {"args": vars(args), "model": str(model), "daemon": daemon, "events": events, "fd": write}
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__, json.dumps(config)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, text=True, pass_fds=[write])  # fmt: skip
+        os.close(write)
+        self.replies = os.fdopen(read)
+
+    def ask(self, tokens: list[int], timeout_s: float = 300.0) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(tokens) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.replies], [], [], timeout_s)
+        line = self.replies.readline() if ready else ""
+        if not line:
+            raise RuntimeError(f"the engine process gave no answer (exit code {self.proc.poll()})")
+        return dict(json.loads(line))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.replies.close()
+
+
+def serve_engine(config: dict[str, Any]) -> None:
+    """The child's side of ``EngineChild``."""
+    from .bench import engine, ttft
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    args = argparse.Namespace(**config["args"])
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_bind
+    more: dict[str, Any] = {}
+    if config["events"]:
+        more["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                    "endpoint": config["events"], "topic": ""}  # fmt: skip
+    llm = engine(args, Path(config["model"]), config["daemon"], **more)
+    totals = timed_manager(llm)
+    with os.fdopen(config["fd"], "w") as out:
+        for line in sys.stdin:
+            seconds, cached = ttft(llm, json.loads(line))
+            out.write(json.dumps({"ttft_s": seconds, "cached_tokens": cached, **totals}) + "\n")
+            out.flush()
+
+
+def engines_phase(args: argparse.Namespace, model: Path, root: Path) -> dict[str, Any]:
+    from .bench import conversation_turns, daemon_counters
+
+    endpoint = f"ipc://{root}/kv-events.sock"
+    router = subprocess.Popen([sys.executable, "-c", _ROUTER, endpoint], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    daemons: dict[str, DaemonProcess] = {}
+    engines: dict[str, EngineChild] = {}
+    out: dict[str, Any] = {"rows": [], "steps": {}, "daemon": {}}
+    try:
+        for name, events in (("events off", None), ("events on", endpoint)):
+            daemons[name] = DaemonProcess(root / name.replace(" ", "-"), settings={
+                "metrics.port": 0, "host_cache.capacity": args.host_capacity})  # fmt: skip
+            daemons[name].start(timeout_s=60)
+            engines[name] = EngineChild(args, model, daemons[name].endpoint, events)
+        warm = conversation_turns(argparse.Namespace(**{**vars(args), "conversations": 1, "turns": 1}))[0][2]
+        first = {name: child.ask(warm[:64]) for name, child in engines.items()}  # set-up out of the figures
+        before = {n: (daemon_cpu_s(d), daemon_counters(d)) for n, d in daemons.items()}
+        last = dict(first)
+        pair = list(engines.items())
+        for i, (_conv, turn, tokens) in enumerate(conversation_turns(args)):
+            for name, child in pair if i % 2 == 0 else pair[::-1]:
+                last[name] = child.ask(tokens)
+                out["rows"].append({"engine": name, "turn": turn, "ttft_s": last[name]["ttft_s"],
+                                    "cached_tokens": last[name]["cached_tokens"]})  # fmt: skip
+        for name, daemon in daemons.items():
+            cpu, counters = before[name]
+            d2h = 'cachexferd_transfer_bytes_total{direction="d2h"}'
+            stored = daemon_counters(daemon).get(d2h, 0.0) - counters.get(d2h, 0.0)
+            block_bytes = int(daemon.status()["host_cache"]["block_bytes"]) or 1
+            out["daemon"][name] = {"cpu_s": daemon_cpu_s(daemon) - cpu, "blocks_stored": stored / block_bytes}
+            out["steps"][name] = {"steps": last[name]["steps"] - first[name]["steps"],
+                                  "manager_s": last[name]["seconds"] - first[name]["seconds"]}  # fmt: skip
+    finally:
+        for child in engines.values():
+            child.close()
+        for daemon in daemons.values():
+            daemon.stop()
+        out["router_batches"] = int(router.communicate("", timeout=30)[0] or 0)
+    return out
+
+
+def summarize(result: dict[str, Any]) -> str:
+    m = result["micro"]
+    lines = [f"engine-side, per block stored: events off {m['off_us']:.2f} µs, on {m['on_us']:.2f} µs: "
+             f"events {m['events_us']:.2f} µs per block"]  # fmt: skip
+    e = result["engines"]
+    per_step = {}
+    for name in ("events off", "events on"):
+        s, d = e["steps"][name], e["daemon"][name]
+        per_step[name] = s["manager_s"] / max(s["steps"], 1) * 1e6
+        ttfts = [r["ttft_s"] for r in e["rows"] if r["engine"] == name and r["turn"] > 0]
+        cpu_block = d["cpu_s"] / max(d["blocks_stored"], 1) * 1e6
+        lines.append(f"{name:<10}: plug-in scheduler side {per_step[name]:.0f} µs/step over {s['steps']:.0f} steps; "
+                     f"returning turns' TTFT median {statistics.median(ttfts) * 1000:.0f} ms; daemon CPU "
+                     f"{cpu_block:.0f} µs per block stored ({d['blocks_stored']:.0f} blocks)")  # fmt: skip
+    on, off = per_step["events on"], per_step["events off"]
+    count = {n: max(sum(r["engine"] == n for r in e["rows"]), 1) for n in per_step}
+    requests = {n: e["steps"][n]["manager_s"] / count[n] * 1e6 for n in per_step}
+    lines.append(f"plug-in scheduler side per request: events off {requests['events off']:.0f} µs, on "
+                 f"{requests['events on']:.0f} µs ({requests['events on'] / requests['events off']:.3f}x)")  # fmt: skip
+    lines.append(f"events on / off, plug-in time per step: {on / off:.3f}x ({on - off:+.0f} µs); "
+                 f"{e['router_batches']} event batches reached the router")  # fmt: skip
+    lines.append("load average at start: " + " ".join(f"{x:.2f}" for x in result["load_avg"]))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, model: Path, root: Path) -> dict[str, Any]:
+    result: dict[str, Any] = {"load_avg": os.getloadavg(), "micro": micro(args.micro_blocks)}
+    result["engines"] = engines_phase(args, model, root)
+    return result
+
+
+if __name__ == "__main__":  # an engine process of EngineChild
+    serve_engine(json.loads(sys.argv[1]))
