@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from ...index import OffloadIndex
-from ...launch import DaemonProcess
 from ..engine.index_calls import Chains, prepare_stores
+from .bench import DaemonProcess  # the vLLM benchmark starts daemons with the launcher
 from .events import TierEvents
 
 TIMED = ("lookup", "on_schedule_end", "prepare_load", "touch", "complete_load", "prepare_store", "complete_store",
