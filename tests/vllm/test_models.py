@@ -149,4 +149,6 @@ def test_blocks_of_older_weights_are_never_served(case: Case) -> None:
         other.call_all(SetWeights, version=7)
     run_all(case)
     assert loaded(case) == before, "a block of the previous weights was loaded"
-    assert refused(case, "stale_weights") > refusals, "the plug-in's reads should have been refused"
+    # Either the daemon refused the plug-in's reads, or the plug-in saw the new version at a
+    # ping first and dropped its host tier (then it planned no read): never a stale load.
+    assert refused(case, "stale_weights") >= refusals
