@@ -35,7 +35,7 @@ TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 # vLLM splits the gated-delta-net key heads over the ranks: the TP=2 checkpoint has two.
 BUILD: dict[str, dict[str, Any]] = {"sliding_window": {}, "gdn": {"key_heads": 2}}
 # vLLM's KV cache per rank: less than the three prompts need together (936 tokens for three
-# of 400 with the sliding window; about 1,700 for three of 784 with gated delta nets).
+# of 400 with the sliding window; 1,820 for three of 784 with gated delta nets).
 KV_BYTES = {"sliding_window": KINDS["sliding_window"].kv_bytes, "gdn": 16 * 98304}
 
 
