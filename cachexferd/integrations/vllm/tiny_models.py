@@ -8,7 +8,8 @@ depend on the whole context. The kinds and what vLLM 0.32's CPU build makes of t
   full-attention layer: four KV-cache groups (one per layer), blocks of 64 tokens;
 - ``gdn``: Qwen3-Next, three gated-delta-net (linear attention) layers and one full-attention
   layer: four groups, Mamba-style state cached per block in vLLM's "align" mode, blocks of
-  384 tokens (vLLM sizes the attention block to the state's page);
+  384 tokens (vLLM sizes the attention block to the state's page); one gated-delta-net key
+  head unless asked for more (``key_heads``: vLLM splits them over tensor-parallel ranks);
 - ``mla``: DeepSeek-V2 with a 512 + 64 latent (the shape vLLM's CPU MLA kernel takes): one
   group of latent pages; vLLM turns prefix caching off for MLA on CPUs.
 """
@@ -75,14 +76,16 @@ def sliding_window(path: Path, hidden: int = 64) -> Path:
     return _save(Gemma3ForCausalLM, config, path)
 
 
-def gdn(path: Path, hidden: int = 64) -> Path:
+def gdn(path: Path, hidden: int = 64, key_heads: int = 1) -> Path:
+    """``key_heads``: the gated-delta-net key heads (value heads: twice as many); vLLM splits
+    them over the tensor-parallel ranks, so TP=2 takes at least 2."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(
         **COMMON, **_sizes(hidden), num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-        linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-        shared_expert_intermediate_size=64, decoder_sparse_step=1, initializer_range=0.2,
+        linear_num_value_heads=2 * key_heads, linear_num_key_heads=key_heads, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64, decoder_sparse_step=1, initializer_range=0.2,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
     )  # fmt: skip
     return _save(Qwen3NextForCausalLM, config, path)
