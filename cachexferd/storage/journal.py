@@ -165,9 +165,12 @@ class FileJournal(Journal):
             segment, offset = segments[0], 0
         records: list[JournalRecord] = []
         while len(records) < limit:
-            offset = self._read_segment(segment, offset, limit - len(records), records)
+            read_to = self._read_segment(segment, offset, limit - len(records), records)
+            if read_to != offset:  # more of this file may follow what one read took
+                offset = read_to
+                continue
             later = [s for s in segments if s > segment]
-            if len(records) >= limit or not later or not self._finished(segment, offset):
+            if not later or not self._finished(segment, offset):
                 break
             segment, offset = later[0], 0
         return JournalRead(records, (segment << _SEGMENT_SHIFT) | offset, gap)
@@ -182,8 +185,8 @@ class FileJournal(Journal):
             data = os.pread(fd, min(size - offset, max(2 * _MAX_FRAME, limit * 256)), offset) if size > offset else b""
         finally:
             os.close(fd)
-        at = 0
-        while len(out) < limit and at + _LEN.size <= len(data):
+        at, want = 0, len(out) + limit
+        while len(out) < want and at + _LEN.size <= len(data):
             (size,) = _LEN.unpack_from(data, at)
             if size > _MAX_FRAME:
                 log.warning("storage journal %s is damaged at byte %d; reading on from the next file",

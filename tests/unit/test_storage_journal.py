@@ -153,3 +153,16 @@ def test_frames_round_trip_and_split() -> None:
     assert len(parts) == -(-2500 // FRAME_RECORDS)
     assert [r for p in parts for r in decode(p)] == records
     assert decode(b"\xc1") == [] and decode(b"\x91\x01") == []
+
+
+def test_a_long_backlog_is_read_in_full_pages(tmp_path: Path) -> None:
+    """A read fills its page from a file much larger than one read of it takes."""
+    journal = FileJournal(str(tmp_path / "j"), segment_bytes=1 << 20, keep=100)  # several files, all kept
+    long = "k" * 200  # records longer than one read's share of each
+    for i in range(0, 40_000, 1000):
+        names = [f"w0/{long}{j}" for j in range(i, i + 1000)]
+        journal.append([JournalRecord(STORED, object_id(n), n, bytes(36)) for n in names])
+    first = journal.read(0, 30_000)
+    assert len(first.records) >= 30_000
+    rest = journal.read(first.position, 30_000)
+    assert len(first.records) + len(rest.records) == 40_000
