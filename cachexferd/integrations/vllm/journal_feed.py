@@ -182,7 +182,7 @@ class JournalFeed:
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(self.timeout_s + 1.0)
+        self._thread.join(1.0)  # a call in flight is left to its timeout (a daemon thread)
 
     # The thread ------------------------------------------------------------------------------
 

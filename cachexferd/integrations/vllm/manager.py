@@ -332,7 +332,8 @@ class CachexferdManager(OffloadingManager):
 
     def describe(self) -> dict[str, Any]:
         return {"connected": self.conn.up, "index": self.index is not None, "promoted": self.prefetch.promoted,
-                **self.stats, "events_dropped": self.events.dropped}  # fmt: skip
+                **self.stats, "events_dropped": self.events.dropped,
+                "storage_journal": self.journal.journal if self.journal is not None else None}  # fmt: skip
 
 
 def _has_storage(status: dict[str, Any]) -> bool:
