@@ -3,7 +3,8 @@ the way routers read them. Two engines, each with a daemon of its own, both daem
 storage directory (write-through storage): what one engine stores is announced
 ``BlockStored`` with medium ``STORAGE`` by the other too (from the daemons' storage
 journal), an object deleted through the other engine's daemon is announced ``BlockRemoved``
-by both, and a router that restarts recovers the current state from vLLM's replay."""
+by both, a router that restarts recovers the current state from vLLM's replay, and an
+object deleted while a daemon was down is removed once its successor restates the store."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ SHORT = PROMPTS[0][:16]  # one step and no full block: stores and events complet
 class Rig:
     a: Any  # engine A, in this process
     b: EngineChild  # engine B, in a process of its own
+    daemon_a: DaemonProcess
     daemon_b: DaemonProcess
     sub_a: Subscriber
     sub_b: Subscriber
@@ -68,15 +70,16 @@ def rig(tiny_model: Path, cx_root: Path) -> Iterator[Rig]:
         "replay_endpoint": endpoints[2]})  # fmt: skip
     a = LLM(**engine_args(tiny_model), kv_transfer_config=transfer_config(daemons[0].endpoint, retry_interval_s=0.25),
             kv_events_config={**events, "endpoint": endpoints[0]})  # fmt: skip
+    rig = Rig(a, b, daemons[0], daemons[1], subs[0], subs[1], endpoints[1], endpoints[2], set())
     try:
         b.generate(SHORT, timeout_s=240)  # started
-        yield Rig(a, b, daemons[1], subs[0], subs[1], endpoints[1], endpoints[2], set())
+        yield rig
     finally:
         shutdown(a)
         b.close()
-        for sub in subs:
+        for sub in (*subs, rig.sub_b):
             sub.close()
-        for daemon in daemons:
+        for daemon in (*daemons, rig.daemon_b):
             daemon.stop()
 
 
@@ -122,6 +125,26 @@ def test_a_restarted_router_recovers_the_current_state(rig: Rig) -> None:
     generate(rig.a, prompt(1200))
     wait_for(lambda: rig.step() and len(rig.sub_b.storage() - before) >= len(prompt(1200)) // BLOCK, 30,
              "B's STORAGE BlockStored for A's new blocks after the restart")  # fmt: skip
+
+
+def test_an_object_deleted_while_a_daemon_was_down_is_removed_when_its_successor_restates_the_store(
+    rig: Rig, cx_root: Path
+) -> None:
+    assert rig.stored, "needs the blocks of the first tests"
+    rig.daemon_b.kill()
+    victim = sorted(rig.stored)[0]
+    with EngineClient([rig.daemon_a.endpoint]) as client:  # deleted through A's daemon meanwhile
+        client.connect(timeout_s=10)
+        req = client.delete([journal_keys(rig.daemon_a)[victim]])
+        assert client.wait([req], timeout_s=30)[req].ok
+    rig.daemon_b = start_daemon(cx_root, "share-b", cx_root / "shared-storage")
+
+    def removed_at_both() -> bool:
+        subs = (rig.sub_a, rig.sub_b)
+        return rig.step() and all(victim in s.removed.get("STORAGE", set()) and victim not in s.storage() for s in subs)
+
+    wait_for(removed_at_both, 60, "BlockRemoved STORAGE for the object deleted while B's daemon was down")
+    assert rig.stored - {victim} <= rig.sub_b.storage(), "what is still stored is still announced"
 
 
 def journal_keys(daemon: DaemonProcess) -> dict[Any, str]:
