@@ -147,8 +147,8 @@ class CachexferdManager(OffloadingManager):
 
     def _take_journal(self) -> None:
         """The storage journal's changes under the current weights version, into the events."""
-        if self.journal is None or self.index is None:
-            return
+        if self.journal is None or self.index is None or not self._storage:
+            return  # (what waits is read when there is an index writing to storage again)
         version = self._built_for[2][0]
         for change in self.journal.take(JOURNAL_BLOCKS_PER_STEP):
             if change.version != version:
