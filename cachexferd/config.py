@@ -184,6 +184,10 @@ class StorageConfig:
             choices=("crc32", "sum64"),
         ),
     )
+    journal: bool = field(
+        default=True,
+        metadata=_meta("keep the storage journal (what every daemon on the store stored and lost; file, redis)"),
+    )
     file: FileSettings = field(default_factory=FileSettings, metadata=_TABLE)
     mooncake: MooncakeSettings = field(default_factory=MooncakeSettings, metadata=_TABLE)
     redis: RedisSettings = field(default_factory=RedisSettings, metadata=_TABLE)

@@ -43,6 +43,9 @@ def add_bench(sub: Any) -> None:
     from .eviction import add_eviction_args
 
     add_eviction_args(kinds.add_parser("eviction", help="prefix index: eviction rate, match latency, memory"))
+    from .journal import add_journal_args
+
+    add_journal_args(kinds.add_parser("journal", help="storage journal: CPU per stored object vs a raw append log"))
 
 
 def run_bench(args: argparse.Namespace) -> int:

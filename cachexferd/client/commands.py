@@ -34,15 +34,18 @@ class CommandMethods(Generic[R]):
         return self.submit(MsgType.CLEAR_HOST, {}, timeout_s)
 
     def store(self, keys: Keys, host_ids: Sequence[int], device_ids: Sequence[int] | None = None,
-              timeout_s: float | None = None, parent: str | None = None) -> R:  # fmt: skip
+              timeout_s: float | None = None, parent: str | None = None,
+              tags: Sequence[bytes] | None = None) -> R:  # fmt: skip
         """Host blocks (staged from ``device_ids`` when given) -> storage objects by key, one
         chain head first. ``parent``: the key before ``keys[0]`` when this extends a chain
-        stored earlier (per-rank ``keys`` callables put it in their map instead)."""
+        stored earlier; ``tags``: one per key, recorded in the storage journal (protocol 1.4).
+        Per-rank ``keys`` callables put both in their map instead."""
         fields = _storage_fields(keys, host_ids, device_ids)
-        if parent is not None:
+        extra = {k: v for k, v in (("parent", parent), ("tags", None if tags is None else list(tags))) if v is not None}
+        if extra:
             if not isinstance(fields, dict):
-                raise ValueError("with per-rank keys, give each rank's parent in its map (KeySpace.keys_by_rank)")
-            fields["parent"] = parent
+                raise ValueError("with per-rank keys, give each rank's parent and tags in its map")
+            fields.update(extra)
         return self.submit(MsgType.STORE, fields, timeout_s)
 
     def load(self, keys: Keys, host_ids: Sequence[int], device_ids: Sequence[int] | None = None,

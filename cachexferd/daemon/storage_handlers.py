@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..backends.base import CancelToken, Direction
-from ..protocol import Delete, ErrorCode, Load, Lookup, ProtocolError, Store
+from ..protocol import Delete, ErrorCode, Load, Lookup, ProtocolError, StorageEvents, Store
 from . import validate
 from .jobs import Job
 from .ordering import Access
@@ -69,6 +69,8 @@ class StorageHandlers:
         validate.require_in_time(cmd.not_after)
         host_blocks, block_bytes, fingerprint = self._geometry()
         validate.same_length(keys, host_ids, ("keys", "host_ids"))
+        if isinstance(cmd, Store) and cmd.tags is not None:
+            validate.same_length(keys, cmd.tags, ("keys", "tags"))
         validate.ids_in_range(host_ids, host_blocks, "host_ids")
         cache = None
         if device_ids is not None:
@@ -90,7 +92,7 @@ class StorageHandlers:
     def handle_store(self, cmd: Store) -> Job:
         tier = self._tier()
         block_bytes, fingerprint, cache, serial = self._validate(cmd, writes_keys=True)
-        keys, host_ids, device_ids, parent = cmd.keys, cmd.host_ids, cmd.device_ids, cmd.parent
+        keys, host_ids, device_ids, parent, tags = cmd.keys, cmd.host_ids, cmd.device_ids, cmd.parent, cmd.tags
         version = self.host.weights_version  # fixed on arrival, however late the work runs
 
         async def work(cancel: CancelToken) -> dict[str, Any]:
@@ -99,7 +101,7 @@ class StorageHandlers:
                 self.metrics.transfer_bytes.labels(Direction.D2H.value).inc(moved)
                 cancel.check()
                 self.host.keys.settle(host_ids, keys, serial)  # staged: the blocks hold these keys' KV
-            return await tier.store(keys, host_ids, block_bytes, fingerprint, version, cancel, parent)
+            return await tier.store(keys, host_ids, block_bytes, fingerprint, version, cancel, parent, tags)
 
         if device_ids is None:
             access = Access(host_read=frozenset(host_ids), keys_write=frozenset(keys))
@@ -131,6 +133,14 @@ class StorageHandlers:
             device_write=frozenset(device_ids or ()), keys_read=frozenset(keys), host_write=frozenset(host_ids)
         )
         return Job(access, work)
+
+    # STORAGE_EVENTS (synchronous, answered from the daemon's view of the journal) --------
+
+    def handle_storage_events(self, identity: bytes, cmd: StorageEvents) -> dict[str, Any]:
+        feed = self._tier().feed
+        if feed is None:  # this backend keeps no journal: nothing to follow
+            return {"journal": False, "events": [], "next": cmd.after, "reset": False, "more": False}
+        return feed.page(cmd.after, cmd.max)
 
     # LOOKUP / DELETE ----------------------------------------------------------------------
 

@@ -39,8 +39,10 @@ from ..storage.base import (
     StorageUnavailable,
     stamps,
 )
+from ..storage.journal import REMOVED, STORED, JournalRecord, object_id
 from ..storage.objects import Checksum, ObjectCodec, Verdict, object_name
 from .jobs import HoldBlocks
+from .storage_feed import StorageFeed
 
 if TYPE_CHECKING:
     from ..backends.base import CancelToken
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from ..metrics import DaemonMetrics
 
 log = logging.getLogger(__name__)
+_UNUSABLE = ("missing", "corrupt", "mismatch")  # load statuses that mean the object is not loadable
 T = TypeVar("T")
 SHARD_MIN_BYTES = 4 << 20
 _POLL_S = 0.05  # how often a waiting command looks at its cancel token
@@ -121,9 +124,13 @@ class StorageTier:
         self.checksum = Checksum[config.checksum.upper()]  # of new objects; loads verify either kind
         self.io = IOPool(config.io_threads)
         self.shard_limit = min(config.io_threads, backend.max_shards or config.io_threads)
+        journal = backend.journal
+        self.feed = StorageFeed(journal, config.namespace, backend.learn) if journal is not None else None
 
     def start(self) -> None:
         self.io.submit(self.backend.start)
+        if self.feed is not None:
+            self.feed.start()
 
     def name_of(self, key: str, version: int) -> str:
         """The object name of ``key`` for a command read under weights ``version``
@@ -134,11 +141,11 @@ class StorageTier:
 
     async def store(
         self, keys: Sequence[str], host_ids: Sequence[int], block_bytes: int, fingerprint: str, version: int,
-        cancel: CancelToken, parent: str | None = None,
+        cancel: CancelToken, parent: str | None = None, tags: Sequence[bytes] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """Writes the keys' objects, one chain head first (``parent``: the key before
         ``keys[0]`` in its chain). ``stored`` counts the leading objects a LOAD can deliver
-        when the result is built."""
+        when the result is built; they are in the journal (with ``tags``) before it is sent."""
         codec = ObjectCodec(fingerprint, block_bytes, self.checksum)
         names = [self.name_of(k, version) for k in keys]
         parent_name = None if parent is None else self.name_of(parent, version)
@@ -159,6 +166,9 @@ class StorageTier:
         if stored and self.backend.drops_writes:  # the store may have evicted some already
             (present,) = await self._run("store", [lambda stop: self.backend.exists(names[:stored])], cancel, False)
             stored = next((i for i, there in enumerate(present) if not there), stored)
+        tags = tags or [b""] * stored
+        size = codec.object_bytes
+        await self._record([JournalRecord(STORED, object_id(n), n, t, size) for n, t in zip(names[:stored], tags)])
         written = len(keys) - len(failed)
         self.metrics.transfer_bytes.labels("store").inc(written * block_bytes)
         return {"stored": stored, "failed": len(failed), "bytes": written * block_bytes}
@@ -167,7 +177,13 @@ class StorageTier:
         """How many leading objects the store has room for (all, unless it ``reserves_room``)."""
         if not self.backend.reserves_room or not names:
             return len(names)
-        calls = [lambda stop: self.backend.begin_store(names, codec.object_bytes, parent)]
+
+        def reserve(stop: threading.Event) -> int:
+            if self.feed is not None:  # count what other daemons wrote until now, not 0.1 s ago
+                self.feed.catch_up()
+            return self.backend.begin_store(names, codec.object_bytes, parent)
+
+        calls: list[Call[int]] = [reserve]
         (room,) = await self._run("store", calls, cancel, False)
         return int(room)
 
@@ -203,6 +219,8 @@ class StorageTier:
                 self.metrics.storage_errors.labels(kind).inc(count)
         delivered = outcome.prefix
         self.metrics.transfer_bytes.labels("load").inc(delivered * block_bytes)
+        if delivered < len(names) and outcome.statuses[delivered] in _UNUSABLE:
+            await self._record_missing(names[delivered])
         return delivered
 
     async def lookup(self, keys: Sequence[str], version: int, cancel: CancelToken) -> int:
@@ -210,14 +228,50 @@ class StorageTier:
         if not names:
             return 0
         (found,) = await self._run("lookup", [lambda stop: self.backend.exists(names)], cancel)
-        return next((i for i, present in enumerate(found) if not present), len(found))
+        prefix = next((i for i, present in enumerate(found) if not present), len(found))
+        if prefix < len(names):
+            await self._record_missing(names[prefix])
+        return prefix
 
     async def delete(self, keys: Sequence[str], version: int, cancel: CancelToken) -> int:
         names = [self.name_of(k, version) for k in keys]
         if not names:
             return 0
         (removed,) = await self._run("delete", [lambda stop: self.backend.delete(names)], cancel)
+        await self._record([JournalRecord(REMOVED, object_id(n)) for n in names])
         return removed
+
+    # The journal ------------------------------------------------------------------------
+
+    async def _record_missing(self, name: str) -> None:
+        """An object the journal holds as stored was missing or unusable: every daemon on the
+        store learns it (a store that evicts by itself, a file deleted by hand)."""
+        await self._journal_call(functools.partial(self._append_if_held, JournalRecord(REMOVED, object_id(name))), 1)
+
+    async def _record(self, records: list[JournalRecord]) -> None:
+        if records:
+            await self._journal_call(functools.partial(self._append, records), len(records))
+
+    def _append(self, records: list[JournalRecord]) -> None:
+        # This daemon reads them back with everyone else's (its follower, within POLL_S).
+        assert self.backend.journal is not None
+        self.backend.journal.append(records)
+
+    def _append_if_held(self, record: JournalRecord) -> None:
+        assert self.feed is not None
+        self.feed.catch_up()  # another daemon may have stored it a moment ago
+        if self.feed.holds(record.object_id):
+            self._append([record])
+
+    async def _journal_call(self, call: Callable[[], None], records: int) -> None:
+        """Runs a journal call on an I/O thread; a journal that fails costs the journal, not the command."""
+        if self.feed is None:
+            return
+        try:
+            await asyncio.wrap_future(self.io.submit(call))
+        except Exception as exc:  # the store's own error types, OSError, a server gone
+            self.metrics.storage_errors.labels("journal").inc()
+            log.warning("storage journal: %d record(s) not written: %s", records, exc)
 
     # Work on the I/O threads ------------------------------------------------------------
 
@@ -326,10 +380,14 @@ class StorageTier:
         info.update({"timeout_s": self.timeout_s, "io_threads": self.config.io_threads})
         if self.config.namespace:
             info["namespace"] = self.config.namespace
+        if self.feed is not None:
+            info["journal"] = self.feed.describe()
         return info
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stops the I/O threads and closes the backend, neither for longer than ``timeout_s``."""
+        if self.feed is not None:
+            self.feed.close()
         self.io.close(timeout_s / 2)
         closer = threading.Thread(target=self._close_backend, name="storage-close", daemon=True)
         closer.start()

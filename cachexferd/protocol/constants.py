@@ -10,8 +10,9 @@ from enum import IntEnum
 
 MAGIC = b"CX"
 PROTOCOL_MAJOR = 1
-# 1.1: BATCH and EVENT_BATCH, PAUSE/RESUME/SET_WEIGHTS; 1.2: optional fields; 1.3: host blocks' identity keys
-PROTOCOL_MINOR = 3  # (docs/protocol.md §11)
+# 1.1: BATCH and EVENT_BATCH, PAUSE/RESUME/SET_WEIGHTS; 1.2: optional fields; 1.3: host blocks' identity keys;
+# 1.4: the storage journal (STORE tags, STORAGE_EVENTS)
+PROTOCOL_MINOR = 4  # (docs/protocol.md §11)
 HEADER_LEN = 4  # MAGIC (2 bytes) + major (u8) + message type (u8)
 
 
@@ -30,6 +31,7 @@ class MsgType(IntEnum):
     RESUME = 9
     SET_WEIGHTS = 10  # protocol 1.1: the weights version host blocks and storage names are tagged with
     HOST_KEYS = 11  # protocol 1.3: a page of the host blocks' identity keys
+    STORAGE_EVENTS = 12  # protocol 1.4: what the shared store gained and lost, in the journal's order
     # An envelope carrying many commands (protocol 1.1); each keeps its own outcome.
     BATCH = 8
     # Asynchronous commands: the outcome is an EVENT on the client's event socket.

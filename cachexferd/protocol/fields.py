@@ -143,6 +143,22 @@ def key_list(max_len: int = Limits.MAX_KEYS, max_key: int = Limits.MAX_KEY_BYTES
 _KEY_PATTERN = r"\A[!-~]+\Z"
 
 
+def bytes_list(max_len: int = Limits.MAX_KEYS, max_item: int = 64) -> Check:
+    """Opaque byte strings (msgpack bin), each at most ``max_item`` bytes."""
+
+    def check(name: str, value: Any) -> list[bytes]:
+        if type(value) is not list:
+            raise _bad(name, "a list of byte strings", value)
+        if len(value) > max_len:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"field {name!r} has {len(value)} entries, limit {max_len}")
+        for item in value:
+            if type(item) is not bytes or len(item) > max_item:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must hold byte strings of ≤ {max_item} bytes")
+        return value
+
+    return _typed(check, Annotated[list[Annotated[bytes, Meta(max_length=max_item)]], Meta(max_length=max_len)])
+
+
 def key(max_key: int = Limits.MAX_KEY_BYTES) -> Check:
     """One storage key, checked like an entry of ``keys``."""
     one = key_list(1, max_key)

@@ -19,6 +19,8 @@ from .errors import ProtocolError
 ROLES = frozenset({"engine", "runner", "tool"})
 OWNER_CHARS = 64  # longest owner token of a host block (protocol 1.2)
 HOST_KEYS_PAGE = 16_384  # most host blocks one HOST_KEYS covers (protocol 1.3)
+STORAGE_EVENTS_PAGE = 16_384  # most records one STORAGE_EVENTS answer holds (protocol 1.4)
+TAG_BYTES = 64  # longest tag of a stored object (protocol 1.4)
 STORAGE_SOURCES = frozenset({"host", "device"})
 
 
@@ -138,6 +140,16 @@ class HostKeys(Command):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StorageEvents(Command):
+    """Protocol 1.4: the storage journal's records after cursor ``after`` (0: the current
+    state first, as ``stored`` records), at most ``max``."""
+
+    TYPE = MsgType.STORAGE_EVENTS
+    after: int = _spec(f.integer(0, (1 << 63) - 1), 0)
+    max: int = _spec(f.integer(1, STORAGE_EVENTS_PAGE), 4096)
+
+
+@dataclass(frozen=True, kw_only=True)
 class SwapOut(Command):
     """Device blocks -> host blocks, pairwise."""
 
@@ -189,6 +201,9 @@ class Store(Command):
     # Protocol 1.2: the key before keys[0] in its chain, when this STORE extends a chain stored
     # earlier (an eviction hint: chain tails are evicted before heads).
     parent: str | None = _spec(f.optional(f.key()), None)
+    # Protocol 1.4: an opaque tag per key, recorded with each stored object in the storage
+    # journal (STORAGE_EVENTS), e.g. the engine's own name for the block.
+    tags: list[bytes] | None = _spec(f.optional(f.bytes_list(max_item=TAG_BYTES)), None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,8 +236,8 @@ class Delete(Command):
 
 COMMANDS: dict[MsgType, type[Command]] = {
     cls.TYPE: cls
-    for cls in (Hello, Ping, Status, Attach, Detach, Shutdown, Pause, Resume, SetWeights, HostKeys, SwapOut, SwapIn,
-                ClearHost, Store, Load, Lookup, Delete)
+    for cls in (Hello, Ping, Status, Attach, Detach, Shutdown, Pause, Resume, SetWeights, HostKeys, StorageEvents,
+                SwapOut, SwapIn, ClearHost, Store, Load, Lookup, Delete)
 }  # fmt: skip
 ASYNC_TYPES = frozenset(t for t, cls in COMMANDS.items() if cls.ASYNC)
 SYNC_TYPES = frozenset(t for t, cls in COMMANDS.items() if not cls.ASYNC)

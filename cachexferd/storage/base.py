@@ -34,7 +34,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .journal import Journal, JournalRecord
 
 NO_ROOM = (
     "no room: the store (storage.capacity or its file system) is full of objects that may not make room for this "
@@ -127,6 +130,8 @@ class StorageBackend(ABC):
     drops_writes: bool = False
     # The backend makes room for a STORE in ``begin_store`` (and pins its objects until ``end_store``).
     reserves_room: bool = False
+    # Where every daemon on the store records what it stored and lost (None: not kept).
+    journal: Journal | None = None
 
     def start(self) -> None:  # noqa: B027 - optional hook
         """Begins connecting (in the background for remote stores); never blocks for long."""
@@ -140,6 +145,10 @@ class StorageBackend(ABC):
 
     def end_store(self, names: list[str], parent: str | None = None) -> None:  # noqa: B027 - optional hook
         """After the STORE's puts have returned (or were abandoned)."""
+
+    def learn(self, records: list[JournalRecord]) -> None:  # noqa: B027 - optional hook
+        """What the journal says every daemon on the store did (``journal`` backends; on the
+        journal's reading thread): a backend that evicts by itself indexes others' objects."""
 
     @abstractmethod
     def put(self, items: list[PutItem], stop: threading.Event) -> list[str | None]:

@@ -156,6 +156,9 @@ class EvictionIndex:
             if entry is not None:  # a leaf again: a candidate
                 heapq.heappush(self._heap, (entry.rank, entry.used, parent))
 
+    def __contains__(self, path: str) -> bool:
+        return path in self._entries  # a dict lookup: atomic under the GIL, no lock needed
+
     def known(self, path: str, size: int, mtime: int) -> None:
         """``path`` is on disk (written by another daemon since the last scan): indexed as a
         chain's head, last used at ``mtime``, unless already indexed."""

@@ -4,6 +4,7 @@ Layout under ``storage.path``::
 
     ab/cd/abcd...32 hex    object whose name hashes (blake2b-128) to abcd...
     .tmp/                  objects being written (same filesystem, so rename is atomic)
+    .journal/              what every daemon on the directory stored and evicted (journal.py)
 
 Names are hashed rather than escaped: keys may hold '/' or '..' and may be longer than a
 file name may be; the object header carries the name digest, so a (practically impossible)
@@ -50,6 +51,7 @@ from .base import (
     StorageUnavailable,
 )
 from .eviction import EvictionIndex
+from .journal import REMOVED, FileJournal, JournalRecord
 from .objects import HEADER_BYTES
 
 if TYPE_CHECKING:
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _TMP_DIR = ".tmp"
+_JOURNAL_DIR = ".journal"  # the storage journal's files (storage/journal.py)
 _STALE_TMP_S = 3600.0  # temp files older than this were left by a crashed writer
 # Objects hold KV-cache bytes (derived from users' prompts): readable by the daemons' user
 # and group only (a pool shared by daemons of one service group), never by every user.
@@ -76,8 +79,9 @@ class FileBackend(StorageBackend):
     name = "file"
     reserves_room = True
 
-    def __init__(self, root: Path, fsync: bool = False, capacity: int = 0) -> None:
+    def __init__(self, root: Path, fsync: bool = False, capacity: int = 0, journal: bool = False) -> None:
         self.root = root
+        self.journal = FileJournal(str(root / _JOURNAL_DIR)) if journal else None
         self.fsync = fsync
         self.index = EvictionIndex(capacity)
         self._root = str(root)
@@ -138,6 +142,38 @@ class FileBackend(StorageBackend):
             _unlink_quietly(path)
         if paths:
             log.debug("evicted %d objects from %s", len(paths), self.root)
+            self._record_removed([bytes.fromhex(os.path.basename(p)) for p in paths])
+
+    def learn(self, records: list[JournalRecord]) -> None:
+        """Indexes the objects other daemons on the directory store as soon as the journal
+        says so (not at the next scan), so capacity and eviction count them; forgets removed ones."""
+        now = time.time_ns()
+        for record in records:
+            path = self._path_of(record.object_id)
+            if record.op == REMOVED:
+                self.index.discard(path)
+                continue
+            if path in self.index:  # this daemon's own, or known already
+                continue
+            if record.size:  # stored just now: no need to ask the file system
+                self.index.known(path, record.size, now)
+                continue
+            with contextlib.suppress(OSError):  # gone again already
+                st = os.stat(path)
+                self.index.known(path, st.st_size, st.st_mtime_ns)
+
+    def _path_of(self, object_id: bytes) -> str:
+        digest = object_id.hex()
+        return f"{self._root}/{digest[:2]}/{digest[2:4]}/{digest}"
+
+    def _record_removed(self, ids: list[bytes]) -> None:
+        """Tells every daemon on the store (the journal) that these objects are gone."""
+        if self.journal is None or not ids:
+            return
+        try:
+            self.journal.append([JournalRecord(REMOVED, i) for i in ids])
+        except OSError as exc:  # the objects are gone either way; followers learn it on a miss
+            log.warning("storage journal: %d removals not recorded: %s", len(ids), exc)
 
     def _make_room(self, need: int, parent: str | None) -> bool:
         """After a full disk: evicts at least ``need`` bytes for an object after ``parent``
@@ -353,6 +389,8 @@ class FileBackend(StorageBackend):
 
     def close(self) -> None:
         self._closed.set()
+        if self.journal is not None:
+            self.journal.close()
 
 
 def _after(views: list[memoryview], done: int) -> list[memoryview]:
@@ -453,4 +491,4 @@ def _unlink_quietly(path: str) -> None:
 
 def create(config: Config, pool: object = None) -> FileBackend:
     settings = config.storage.file
-    return FileBackend(config.storage_path, settings.fsync, settings.capacity)
+    return FileBackend(config.storage_path, settings.fsync, settings.capacity, journal=config.storage.journal)

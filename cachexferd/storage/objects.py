@@ -74,6 +74,18 @@ def object_name(key: str, weights_version: int, namespace: str = "") -> str:
     return f"{namespace}/{scoped}" if namespace else scoped
 
 
+def parse_object_name(name: str, namespace: str = "") -> tuple[int, str] | None:
+    """(weights version, key) of an object name of ``namespace``; None for another namespace's."""
+    if namespace:
+        if not name.startswith(namespace + "/"):
+            return None
+        name = name[len(namespace) + 1 :]
+    scope, sep, key = name.partition("/")
+    if not sep or not key or not scope.startswith("w") or not scope[1:].isdigit():
+        return None
+    return int(scope[1:]), key
+
+
 def name_digest(name: str) -> bytes:
     return hashlib.blake2b(name.encode(), digest_size=8).digest()
 

@@ -10,6 +10,7 @@ Redis is a cache here: run it with ``maxmemory`` and an LRU policy; an evicted k
 normal miss, and a SET refused for memory (OOM) is a per-object store failure. A STORE larger
 than the room Redis has may see its own first keys evicted to fit its last ones: the daemon
 asks which are still there before it reports them stored (``drops_writes``).
+The storage journal (journal.py) is a stream on the same server.
 Connection errors become StorageUnavailable; redis-py reconnects on the next call, so the
 daemon recovers by itself when the server returns.
 """
@@ -33,6 +34,7 @@ from .base import (
     StorageTimeoutError,
     StorageUnavailable,
 )
+from .journal import RedisJournal
 from .objects import HEADER_BYTES
 from .resp import ProtocolViolation, RespError, RespReader
 
@@ -53,7 +55,7 @@ class RedisBackend(StorageBackend):
     name = "redis"
     drops_writes = True  # maxmemory: Redis may evict a pipeline's first keys to fit its last ones
 
-    def __init__(self, url: str, timeout_s: float, max_connections: int) -> None:
+    def __init__(self, url: str, timeout_s: float, max_connections: int, journal: bool = False) -> None:
         import redis as redis_lib
 
         self._redis_lib = redis_lib
@@ -67,6 +69,7 @@ class RedisBackend(StorageBackend):
             protocol=2,  # RESP2: what every Redis and Valkey speaks, and what RespReader parses
         )
         self._state = "unknown"
+        self.journal = RedisJournal(self.client) if journal else None
 
     @contextmanager
     def _connection(self) -> Iterator[tuple[Any, RespReader]]:
@@ -205,4 +208,5 @@ def _redacted(url: str) -> str:
 
 def create(config: Config, pool: object = None) -> RedisBackend:
     url = config.storage.redis.url or "redis://127.0.0.1:6379/0"
-    return RedisBackend(url, config.storage.timeout_s, max_connections=config.storage.io_threads + 4)
+    return RedisBackend(url, config.storage.timeout_s, max_connections=config.storage.io_threads + 4,
+                        journal=config.storage.journal)  # fmt: skip

@@ -11,7 +11,7 @@ from enum import IntEnum
 
 MAGIC = b"CX"
 MAJOR = 1
-MINOR = 3
+MINOR = 4
 
 
 class T(IntEnum):
@@ -28,6 +28,7 @@ class T(IntEnum):
     RESUME = 9
     SET_WEIGHTS = 10
     HOST_KEYS = 11
+    STORAGE_EVENTS = 12
     SWAP_OUT = 16
     SWAP_IN = 17
     CLEAR_HOST = 18
@@ -41,7 +42,19 @@ class T(IntEnum):
 
 
 SYNC = frozenset(
-    {T.HELLO, T.PING, T.STATUS, T.ATTACH, T.DETACH, T.SHUTDOWN, T.PAUSE, T.RESUME, T.SET_WEIGHTS, T.HOST_KEYS}
+    {
+        T.HELLO,
+        T.PING,
+        T.STATUS,
+        T.ATTACH,
+        T.DETACH,
+        T.SHUTDOWN,
+        T.PAUSE,
+        T.RESUME,
+        T.SET_WEIGHTS,
+        T.HOST_KEYS,
+        T.STORAGE_EVENTS,
+    }
 )
 ASYNC = frozenset({T.SWAP_OUT, T.SWAP_IN, T.CLEAR_HOST, T.STORE, T.LOAD, T.LOOKUP, T.DELETE})
 

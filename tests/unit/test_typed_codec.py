@@ -127,7 +127,7 @@ def test_fast_body_takes_what_the_checked_path_takes(msg_type: int) -> None:
         "keys": ["k!~", "x" * 256], "protocol": [1, 2], "client": "c", "role": "tool", "events": None, "pid": 9,
         "batch_events": True, "drain_timeout_s": 3600, "version": 2**63 - 1, "parent": "p~!",
         "events_key": "k" * 40, "weights_version": 7, "owner": "o" * 64, "not_after": 1e12, "supersede": True,
-        "start": 2**31 - 1, "count": 16384,
+        "start": 2**31 - 1, "count": 16384, "after": 2**63 - 1, "max": 16384, "tags": [b"t" * 64, b""],
     }  # fmt: skip
     body = {fld.name: sample[fld.name] for fld in fields(cls)}
     data = msgpack.packb(body, use_bin_type=True)

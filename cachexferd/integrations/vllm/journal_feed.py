@@ -33,6 +33,7 @@ from typing import Any
 import zmq
 
 from ...client.link import ClientError, Link, check_ok
+from ...protocol import StorageEvents
 from .keys import VllmKeyNames, group_of
 
 log = logging.getLogger("vllm.cachexferd")  # a child of vLLM's logger: our lines show in its log
@@ -253,8 +254,6 @@ class _Reader:
     def _read_once(self) -> bool:
         """One STORAGE_EVENTS; True when more records are ready now."""
         assert self.link is not None and self.view is not None
-        from ...protocol import StorageEvents
-
         self.req_id += 1
         try:
             outcome = self.link.call(StorageEvents(req_id=self.req_id, after=self.cursor, max=PAGE),

@@ -1,0 +1,271 @@
+"""The storage journal: what a shared store gained and lost, in one order every daemon reads.
+
+Daemons that share a store (one directory mounted by several hosts, or every rank's daemon on
+one host) each see only their own commands: a daemon cannot tell that another one evicted an
+object. So every daemon appends to one journal kept in the store itself: ``stored`` when a
+STORE's object is in the store (with the tag its client gave it: the engine's own name for
+the block), ``removed`` when it evicts or deletes one, or finds one missing or unusable. Every
+daemon follows the whole journal (daemon/storage_feed.py) and so knows every object any of
+them wrote or lost; engines read it with STORAGE_EVENTS (docs/protocol.md §12.8).
+
+A record names its object by ``object_id``: the 16-byte BLAKE2b digest of the object's name
+(the file backend's file name, §4.1 of docs/storage.md), so an eviction found by path is
+recorded without the name; ``stored`` records carry the name and tag as well.
+
+Positions are opaque increasing integers: a reader passes back the position it reached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import struct
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import msgpack
+
+log = logging.getLogger(__name__)
+
+STORED, REMOVED = "stored", "removed"
+_OPS = (STORED, REMOVED)
+SEGMENT_BYTES = 16 << 20  # a journal file is closed for appends beyond this size
+KEEP_SEGMENTS = 8  # files kept (~128 MiB, about 700,000 records); older ones are deleted
+_SEGMENT_SHIFT = 40  # position = segment number << 40 | offset in the segment
+_LEN = struct.Struct("<I")
+FRAME_RECORDS = 1024  # records per frame (at most ~400 KB)
+_MAX_FRAME = 1 << 20  # a length beyond this is not a frame (a damaged file)
+REDIS_KEY = "cachexferd:journal"  # cannot be an object's name: those start with "w<version>/" or "<namespace>/"
+REDIS_MAX_ENTRIES = 10_000  # appends (one per command) kept in the stream
+_SEQ_BITS = 20  # position = milliseconds << 20 | sequence number within the millisecond
+
+
+def object_id(name: str) -> bytes:
+    """The 16-byte digest that names an object in the journal."""
+    return hashlib.blake2b(name.encode(), digest_size=16).digest()
+
+
+class JournalRecord(NamedTuple):  # a tuple: hundreds of thousands are made per second
+    op: str  # STORED or REMOVED
+    object_id: bytes
+    name: str = ""  # the object's name (stored records)
+    tag: bytes = b""  # the STORE's tag for the object (stored records)
+    size: int = 0  # the object's bytes (stored records; 0: not known)
+
+
+@dataclass(frozen=True, slots=True)
+class JournalRead:
+    records: list[JournalRecord]  # in the journal's order
+    position: int  # where the next read starts
+    gap: bool = False  # records between the position asked and the first one returned are lost
+
+
+class Journal(ABC):
+    """Appends from any daemon, reads in one order; thread-safe, blocking (I/O threads only)."""
+
+    @abstractmethod
+    def append(self, records: list[JournalRecord]) -> None:
+        """Appends the records, in order, without interleaving with another writer's."""
+
+    @abstractmethod
+    def read(self, position: int, limit: int) -> JournalRead:
+        """About ``limit`` records (whole appends) after ``position`` (0: the oldest kept)."""
+
+    def describe(self) -> dict[str, object]:
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Releases what the journal holds open."""
+
+
+def frames(records: list[JournalRecord]) -> list[bytes]:
+    """The records as frames of at most ``FRAME_RECORDS``: one msgpack array of
+    ``[op, object id, name, tag, size]`` each (one encoder call per frame, not per record)."""
+    out = []
+    for start in range(0, len(records), FRAME_RECORDS):
+        rows = [[_OPS.index(r.op), r.object_id, r.name, r.tag, r.size] for r in records[start : start + FRAME_RECORDS]]
+        out.append(msgpack.packb(rows, use_bin_type=True))
+    return out
+
+
+def decode(body: bytes) -> list[JournalRecord]:
+    """A frame's records; none when the bytes are not a frame (a writer of a later format, damage)."""
+    try:
+        return [JournalRecord(_OPS[op], oid, name, tag, size) for op, oid, name, tag, size in msgpack.unpackb(body)]
+    except (ValueError, TypeError, IndexError, msgpack.UnpackException):
+        return []
+
+
+class FileJournal(Journal):
+    """Append-only files ``<dir>/<segment number, 12 digits>.log`` in the storage directory.
+
+    Each append is one ``write`` on a file opened with ``O_APPEND``: on a local file system
+    the kernel places it whole at the end, so writers of every daemon on the machine never
+    interleave (a network file system does not promise that: see docs/storage.md §4.1). A
+    writer that finds the current file over ``SEGMENT_BYTES`` starts the next one (the first
+    to create it wins) and deletes files beyond ``KEEP_SEGMENTS``; readers move on to the next
+    file once the current one stopped growing and the next exists.
+    """
+
+    def __init__(self, directory: str, segment_bytes: int = SEGMENT_BYTES, keep: int = KEEP_SEGMENTS) -> None:
+        self.directory = directory
+        self.segment_bytes, self.keep = segment_bytes, keep
+        self._lock = threading.Lock()
+        self.appended = 0  # records this process appended
+
+    # Appending ------------------------------------------------------------------------------
+
+    def append(self, records: list[JournalRecord]) -> None:
+        if not records:
+            return
+        data = b"".join(_LEN.pack(len(f)) + f for f in frames(records))
+        with self._lock:
+            segment = max(self._newest(), 0)
+            # Opened per append, never held: a file open for writing would keep the storage
+            # file system from being remounted read-only or unmounted.
+            fd = self._open(segment)
+            try:
+                os.write(fd, data)  # one write: whole, after every other writer's (O_APPEND)
+                full = os.fstat(fd).st_size >= self.segment_bytes
+            finally:
+                os.close(fd)
+            self.appended += len(records)
+            if full:
+                self._rotate(segment + 1)
+
+    def _open(self, segment: int) -> int:
+        try:
+            return os.open(self._path(segment), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        except FileNotFoundError:  # the first append: the directory is made here
+            os.makedirs(self.directory, mode=0o750, exist_ok=True)
+            return os.open(self._path(segment), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+
+    def _rotate(self, nxt: int) -> None:
+        with contextlib.suppress(FileExistsError):  # another writer started it first
+            os.close(os.open(self._path(nxt), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640))
+        for old in self._segments():
+            if old <= nxt - self.keep:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._path(old))
+
+    # Reading --------------------------------------------------------------------------------
+
+    def read(self, position: int, limit: int) -> JournalRead:
+        segments = self._segments()
+        if not segments:
+            return JournalRead([], position)
+        segment, offset = divmod(position, 1 << _SEGMENT_SHIFT)
+        gap = False
+        if position == 0 or segment < segments[0]:
+            gap = position != 0  # the records after ``position`` were deleted with their file
+            segment, offset = segments[0], 0
+        records: list[JournalRecord] = []
+        while len(records) < limit:
+            offset = self._read_segment(segment, offset, limit - len(records), records)
+            later = [s for s in segments if s > segment]
+            if len(records) >= limit or not later or not self._finished(segment, offset):
+                break
+            segment, offset = later[0], 0
+        return JournalRead(records, (segment << _SEGMENT_SHIFT) | offset, gap)
+
+    def _read_segment(self, segment: int, offset: int, limit: int, out: list[JournalRecord]) -> int:
+        try:
+            fd = os.open(self._path(segment), os.O_RDONLY)
+        except FileNotFoundError:
+            return offset
+        try:  # what was appended since, up to a bound (a whole frame always fits)
+            size = os.fstat(fd).st_size
+            data = os.pread(fd, min(size - offset, max(2 * _MAX_FRAME, limit * 256)), offset) if size > offset else b""
+        finally:
+            os.close(fd)
+        at = 0
+        while len(out) < limit and at + _LEN.size <= len(data):
+            (size,) = _LEN.unpack_from(data, at)
+            if size > _MAX_FRAME:
+                log.warning("storage journal %s is damaged at byte %d; reading on from the next file",
+                            self._path(segment), offset + at)  # fmt: skip
+                return 1 << (_SEGMENT_SHIFT - 1)  # past any offset: this file is finished
+            end = at + _LEN.size + size
+            if end > len(data):
+                break  # a frame still being written, or beyond this read
+            out += decode(data[at + _LEN.size : end])
+            at = end
+        return offset + at
+
+    def _finished(self, segment: int, offset: int) -> bool:
+        """Whether every record of ``segment`` was read: a writer may still append to a file
+        for a moment after another started the next one, so the file must end at ``offset``."""
+        try:
+            return os.path.getsize(self._path(segment)) <= offset
+        except FileNotFoundError:
+            return True
+
+    # Files ----------------------------------------------------------------------------------
+
+    def _path(self, segment: int) -> str:
+        return f"{self.directory}/{segment:012d}.log"
+
+    def _segments(self) -> list[int]:
+        try:
+            names = os.listdir(self.directory)
+        except OSError:  # not created yet, or the storage path is unusable (status says why)
+            return []
+        return sorted(int(n[:-4]) for n in names if n.endswith(".log") and n[:-4].isdigit())
+
+    def _newest(self) -> int:
+        segments = self._segments()
+        return segments[-1] if segments else -1
+
+    def describe(self) -> dict[str, object]:
+        segments = self._segments()
+        return {"path": self.directory, "files": len(segments)}
+
+
+class RedisJournal(Journal):
+    """A Redis (or Valkey) stream ``key`` in the store's own server, trimmed to about
+    ``max_records`` (XADD MAXLEN ~): the stream's entry ids order the records; a reader whose
+    last record was trimmed away learns that it may have missed some (``gap``)."""
+
+    def __init__(self, client: Any, key: str = REDIS_KEY, max_entries: int = REDIS_MAX_ENTRIES) -> None:
+        self.client, self.key, self.max_entries = client, key, max_entries
+
+    def append(self, records: list[JournalRecord]) -> None:
+        if not records:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for frame in frames(records):  # one entry per frame (a command's records, up to FRAME_RECORDS)
+            pipe.xadd(self.key, {b"r": frame}, maxlen=self.max_entries, approximate=True)
+        pipe.execute()
+
+    def read(self, position: int, limit: int) -> JournalRead:
+        after = "-" if position == 0 else f"({_stream_id(position)}"
+        entries = self.client.xrange(self.key, min=after, max="+", count=max(1, limit // 16))
+        records: list[JournalRecord] = []
+        for _, fields in entries:
+            records += decode(fields.get(b"r", b""))
+        end = _position(entries[-1][0]) if entries else position
+        return JournalRead(records, end, gap=position != 0 and self._trimmed_after(position))
+
+    def _trimmed_after(self, position: int) -> bool:
+        """Whether records after ``position`` may have been trimmed: trimming takes the oldest
+        first, so while the record at ``position`` is still there, none after it is gone. A
+        stream that is gone (evicted, flushed) lost everything."""
+        first = self.client.xrange(self.key, min="-", max="+", count=1)
+        return not first or _position(first[0][0]) > position
+
+    def describe(self) -> dict[str, object]:
+        return {"stream": self.key}
+
+
+def _position(entry_id: bytes | str) -> int:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms) << _SEQ_BITS | int(seq or 0)
+
+
+def _stream_id(position: int) -> str:
+    return f"{position >> _SEQ_BITS}-{position & ((1 << _SEQ_BITS) - 1)}"
