@@ -85,3 +85,13 @@ def test_a_reset_restates_the_store_and_removes_what_it_does_not_restate() -> No
     # A block removed while being restated is removed once.
     view.apply(answer(rec(n, "stored", a, 0), reset=True, more=True))
     assert flat(view.apply(answer(rec(n, "removed", a, 0)))) == [("removed", a), ("removed", c)]
+
+
+def test_a_reset_during_a_restatement_still_removes_what_neither_restates() -> None:
+    n = names(tp_size=1)
+    view = JournalView(n, VERSION)
+    a, b = block(1), block(2)
+    view.apply(answer(rec(n, "stored", a, 0), rec(n, "stored", b, 0), reset=True))
+    assert view.apply(answer(rec(n, "stored", a, 0), reset=True, more=True)) == []
+    assert view.apply(answer(reset=True, more=True)) == [], "the daemon started its restatement over"
+    assert flat(view.apply(answer(rec(n, "stored", a, 0)))) == [("removed", b)]

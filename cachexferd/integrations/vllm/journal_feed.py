@@ -72,8 +72,8 @@ class JournalView:
 
     def apply(self, answer: dict[str, Any]) -> list[Change]:
         """The changes one STORAGE_EVENTS answer makes, in the journal's order."""
-        if answer.get("reset"):
-            self._restating = self._complete
+        if answer.get("reset"):  # (also during a restatement: another one starts over)
+            self._restating = self._complete | (self._restating or set())
             self._objects, self._present, self._complete = {}, {}, set()
         changes: list[Change] = []
         for _pos, op, version, key, tag in answer.get("events") or ():
