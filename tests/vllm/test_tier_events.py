@@ -50,3 +50,16 @@ def test_events_off_keep_nothing() -> None:
     events.add([OffloadEvent(placed(events, 0, 5), Tier.HOST, removed=False)])
     events.host_gone()
     assert events.take() == [] and events.dropped == 0
+
+
+def test_storage_events_are_published_on_changes_only() -> None:
+    """Two sources name the storage tier (this instance's index, the storage journal): a block
+    announced by one is not announced again by the other, one never announced is not removed."""
+    events = TierEvents(enabled=True)
+    a, b = placed(events, 0, 2)
+    events.add([OffloadEvent([a], Tier.STORAGE, removed=False)])
+    events.add([OffloadEvent([a, b, b], Tier.STORAGE, removed=False)])
+    events.add([OffloadEvent([b], Tier.STORAGE, removed=True), OffloadEvent([b], Tier.STORAGE, removed=True)])
+    out = [(e.removed, k) for e in events.take() for k in e.keys]
+    assert out == [(False, b"k" + a), (False, b"k" + b), (True, b"k" + b)]
+    assert all(e.medium == Medium.STORAGE for e in events.take())

@@ -16,6 +16,12 @@ bounded amount of memory and never hold a step or a copy.
 A host block is announced only once every rank has it (vLLM completes a store when all
 workers did), and removed as soon as the index stops offering it, so no event claims a
 block a load would not deliver.
+
+The storage tier has two sources: this instance's index (what it stored or found) and, with
+daemons whose storage keeps a journal, what every instance sharing the store stored and
+lost (journal_feed.py). Both name the same blocks, so storage events are published only on
+a real change: a block already announced is not announced again, one not announced is not
+removed.
 """
 
 from __future__ import annotations
@@ -53,11 +59,14 @@ class TierEvents:
             return
         for event in events:
             resident = self._resident[event.tier]
+            hashes = event.hashes
+            if event.tier is Tier.STORAGE:  # two sources (see above): changes only
+                hashes = [d for d in dict.fromkeys(hashes) if (d in resident) == event.removed]
             if event.removed:
-                resident.difference_update(event.hashes)
+                resident.difference_update(hashes)
             else:
-                resident.update(event.hashes)
-            keys = [self._keys[d] for d in event.hashes if d in self._keys]
+                resident.update(hashes)
+            keys = [self._keys[d] for d in hashes if d in self._keys]
             if keys:
                 self._pending.append(OffloadingEvent(keys=keys, medium=_MEDIUM[event.tier], removed=event.removed))
                 self._pending_blocks += len(keys)

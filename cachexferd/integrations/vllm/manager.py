@@ -14,6 +14,10 @@ makes the host tier untrustworthy: a restarted daemon (new boot id) or a cleared
 manager reports misses and stores nothing, so vLLM runs as if there were no plug-in. A
 failed load or store is forgotten in every tier (``mark_failed``), so vLLM is not sent after
 the same block again.
+
+With vLLM's KV events on, write-through storage and daemons whose storage keeps a journal
+(protocol 1.4), the storage tier in the events is that of every instance sharing the store,
+read from rank 0's daemon's journal on a thread of its own (journal_feed.py).
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-from ...index import OffloadIndex, Tier
+from ...index import OffloadEvent, OffloadIndex, Tier
 from ..engine.connection import DaemonConnection
 from ..engine.index_calls import Chains, prepare_loads, prepare_stores
 from ..engine.options import PluginOptions
 from .adoption import HostKeysFetch, speaks_keys
 from .events import TierEvents
+from .journal_feed import JournalFeed, speaks_journal
 from .keys import VllmKeyNames
 from .prefetch import StoragePrefetch
 from .transfer_specs import HostLoadSpec, HostStoreSpec
@@ -48,6 +53,7 @@ from .vllm_api import (
 
 log = logging.getLogger("vllm.cachexferd")  # a child of vLLM's logger: our lines show in its log
 ATTACH_WAIT_S = 2.0  # after a (re)connection, how long lookups and stores wait for the host tier to open
+JOURNAL_BLOCKS_PER_STEP = 20_000  # storage journal changes taken per step (a bound on the step's work)
 
 IndexFactory = Callable[[int, bool], OffloadIndex]  # (host_blocks, storage) -> index
 
@@ -82,6 +88,7 @@ class CachexferdManager(OffloadingManager):
         self.prefetch = StoragePrefetch(names, owner=owner, timeout_s=options.max_stall_s, on_place=self.events.know)
         self._storage = False  # whether the current index writes through to storage
         self._adoption: HostKeysFetch | None = None  # reading what an earlier instance left (1.3)
+        self.journal: JournalFeed | None = None  # the shared storage's journal (1.4), with events on
         self.stats = {"lookups": 0, "hits": 0, "loads": 0, "stores": 0, "store_refused": 0, "rebuilds": 0,
                       "failed": 0, "adopted": 0}  # fmt: skip
         conn.start()
@@ -111,6 +118,7 @@ class CachexferdManager(OffloadingManager):
                 if self.index is not None:
                     self._built_for = built_for
                     self._read_host_keys()
+                    self._follow_journal()
             self._adopt()
             return self.index
 
@@ -126,6 +134,28 @@ class CachexferdManager(OffloadingManager):
         if speaks_keys(self.conn.hellos):
             self._adoption = HostKeysFetch(self.names, self.conn.endpoints, self.conn.boot_ids,
                                            self.options.connect_timeout_s)  # fmt: skip
+
+    def _follow_journal(self) -> None:
+        """A new index: follow rank 0's daemon's storage journal, for the KV events (1.4)."""
+        version = self._built_for[2][0] if self._built_for[2] else None
+        if not (self.events.enabled and self._storage and speaks_journal(self.conn.hellos)) or version is None:
+            return
+        if self.journal is None:
+            self.journal = JournalFeed(self.names, self.options.connect_timeout_s,
+                                       min(self.options.retry_interval_s, 0.25))  # fmt: skip
+        self.journal.follow(self.conn.endpoints[0], version, self.conn.opened)
+
+    def _take_journal(self) -> None:
+        """The storage journal's changes under the current weights version, into the events."""
+        if self.journal is None or self.index is None or not self._storage:
+            return  # (what waits is read when there is an index writing to storage again)
+        version = self._built_for[2][0]
+        for change in self.journal.take(JOURNAL_BLOCKS_PER_STEP):
+            if change.version != version:
+                continue  # read before a new weights version: their blocks are gone already
+            if not change.removed:
+                self.events.know([OffloadKey(k) for k in change.keys], change.digests)
+            self.events.add([OffloadEvent(change.digests, Tier.STORAGE, change.removed)])
 
     def _adopt(self) -> None:
         """Files the host blocks read for the current index (nothing waits for them)."""
@@ -286,6 +316,7 @@ class CachexferdManager(OffloadingManager):
         (medium STORAGE) since the last call (vLLM asks once per step when its KV events are on)."""
         if self.index is not None:
             self.events.add(self.index.take_events())
+        self._take_journal()
         return self.events.take()
 
     def reset_cache(self) -> None:
@@ -295,11 +326,14 @@ class CachexferdManager(OffloadingManager):
 
     def shutdown(self) -> None:
         log.info("cachexferd: scheduler-side totals: %s", {**self.stats, "events_dropped": self.events.dropped})
+        if self.journal is not None:
+            self.journal.close()
         self.conn.close()
 
     def describe(self) -> dict[str, Any]:
         return {"connected": self.conn.up, "index": self.index is not None, "promoted": self.prefetch.promoted,
-                **self.stats, "events_dropped": self.events.dropped}  # fmt: skip
+                **self.stats, "events_dropped": self.events.dropped,
+                "storage_journal": self.journal.journal if self.journal is not None else None}  # fmt: skip
 
 
 def _has_storage(status: dict[str, Any]) -> bool:

@@ -43,6 +43,7 @@ from ...protocol import MsgType
 from ..engine.connection import RESTART_ERRORS, DaemonConnection
 from ..engine.failures import FailureLog
 from .adoption import speaks_keys
+from .journal_feed import speaks_journal
 from .keys import VllmKeyNames, group_of
 from .transfer_specs import HostLoadSpec, HostStoreSpec
 from .vllm_api import GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, OffloadKey, TransferResult
@@ -231,6 +232,10 @@ class CachexferdWorker(OffloadingWorker):
                   "owner": owner}  # fmt: skip
         if parent is not None:  # the block before keys[0] in its chain: the same group
             fields["parent"] = self.names.digest_key(parent, group_of(keys[0]), self.rank)
+        if speaks_journal(self.conn.hellos):
+            # Protocol 1.4: the storage journal records each object with vLLM's name for its
+            # block, so every instance sharing the store reports it in its KV events.
+            fields["tags"] = [bytes(k) for k in keys]
         rid = client.submit(MsgType.STORE, fields)
         self._parts[rid] = _Part(None, MsgType.STORE, [], host_ids, keys)
 
