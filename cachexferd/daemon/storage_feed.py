@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..storage.journal import REMOVED, STORED, Journal, JournalRecord
+from ..storage.journal import STORED, Journal, JournalRecord
 from ..storage.objects import parse_object_name
 
 log = logging.getLogger(__name__)
@@ -96,8 +96,7 @@ class StorageFeed:
             with self._lock:
                 if read.gap:
                     self._lose_view()
-                for record in read.records:
-                    self._apply(record)
+                self._apply(read.records)
                 self._position = read.position
                 self.records += len(read.records)
             if self.on_read is not None and read.records:
@@ -114,22 +113,25 @@ class StorageFeed:
         self._view = self._view % (1 << 19) + 1
         self._floor = self._number
 
-    def _apply(self, record: JournalRecord) -> None:
-        # Kept as read (the name is parsed, and another namespace's skipped, only when a
-        # client asks): every daemon on the store reads every record, so this stays short.
-        if record.op == STORED:
-            self._objects[record.object_id] = record
-            self._change(STORED, record)
-        elif record.op == REMOVED:
-            gone = self._objects.pop(record.object_id, None)
-            if gone is not None:
-                self._change(REMOVED, gone)
-
-    def _change(self, op: str, stored: JournalRecord) -> None:
-        self._number += 1
-        if len(self._ring) == self._ring.maxlen:
-            self._floor = self._ring[0][0]  # the oldest change leaves the ring
-        self._ring.append((self._number, op, stored))
+    def _apply(self, records: list[JournalRecord]) -> None:
+        """Records kept as read (the name is parsed, and another namespace's skipped, only
+        when a client asks): every daemon on the store reads every record, so this loop is
+        the journal's cost per object and stays short."""
+        objects, ring, number = self._objects, self._ring, self._number
+        for record in records:
+            if record.op == STORED:
+                objects[record.object_id] = record
+                change = record
+            else:
+                gone = objects.pop(record.object_id, None)
+                if gone is None:
+                    continue
+                change = gone
+            number += 1
+            ring.append((number, record.op, change))
+        self._number = number
+        if len(ring) == ring.maxlen:  # the oldest changes left the ring
+            self._floor = max(self._floor, ring[0][0] - 1)
 
     def holds(self, object_id: bytes) -> bool:
         return object_id in self._objects

@@ -162,10 +162,16 @@ class EvictionIndex:
     def known(self, path: str, size: int, mtime: int) -> None:
         """``path`` is on disk (written by another daemon since the last scan): indexed as a
         chain's head, last used at ``mtime``, unless already indexed."""
+        self.known_many([(path, size, mtime)])
+
+    def known_many(self, objects: Sequence[tuple[str, int, int]]) -> None:
+        """``known`` for each (path, bytes, mtime), under one hold of the lock."""
         with self._lock:
-            if path not in self._entries:
-                self._add(path, size, mtime)
-                heapq.heappush(self._heap, (_WHOLE, mtime, path))
+            entries, heap = self._entries, self._heap
+            for path, size, mtime in objects:
+                if path not in entries:
+                    self._add(path, size, mtime)
+                    heapq.heappush(heap, (_WHOLE, mtime, path))
 
     def discard(self, path: str) -> None:
         """``path`` is gone (deleted, or missing at a scan)."""

@@ -147,24 +147,22 @@ class FileBackend(StorageBackend):
     def learn(self, records: list[JournalRecord]) -> None:
         """Indexes the objects other daemons on the directory store as soon as the journal
         says so (not at the next scan), so capacity and eviction count them; forgets removed ones."""
-        now = time.time_ns()
-        for record in records:
-            path = self._path_of(record.object_id)
-            if record.op == REMOVED:
-                self.index.discard(path)
+        now, root, index = time.time_ns(), self._root, self.index
+        new: list[tuple[str, int, int]] = []
+        for op, oid, _name, _tag, size in records:
+            digest = oid.hex()
+            path = f"{root}/{digest[:2]}/{digest[2:4]}/{digest}"
+            if op == REMOVED:
+                index.discard(path)
+            elif path in index:  # this daemon's own, or known already
                 continue
-            if path in self.index:  # this daemon's own, or known already
-                continue
-            if record.size:  # stored just now: no need to ask the file system
-                self.index.known(path, record.size, now)
-                continue
-            with contextlib.suppress(OSError):  # gone again already
-                st = os.stat(path)
-                self.index.known(path, st.st_size, st.st_mtime_ns)
-
-    def _path_of(self, object_id: bytes) -> str:
-        digest = object_id.hex()
-        return f"{self._root}/{digest[:2]}/{digest[2:4]}/{digest}"
+            elif size:  # stored just now: no need to ask the file system
+                new.append((path, size, now))
+            else:
+                with contextlib.suppress(OSError):  # gone again already
+                    st = os.stat(path)
+                    new.append((path, st.st_size, st.st_mtime_ns))
+        index.known_many(new)
 
     def _record_removed(self, ids: list[bytes]) -> None:
         """Tells every daemon on the store (the journal) that these objects are gone."""
