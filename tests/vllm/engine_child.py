@@ -1,52 +1,27 @@
 """A plug-in engine in a process of its own, for tests that need two (vLLM keeps one KV
-connector per process). Prompts (token ids) go in on its stdin, one JSON line each; the
-cached prompt tokens of each come back on a pipe of its own (vLLM logs to stdout, which goes
-to ``log``)."""
+connector per process): each prompt's answer is its cached prompt tokens; vLLM's log goes
+to ``log``."""
 
 from __future__ import annotations
 
 import json
-import os
-import select
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from cachexferd.integrations.vllm.child import LineChild, answer_lines
 
-class EngineChild:
+
+class EngineChild(LineChild):
     def __init__(self, model: Path, log: Path, **llm_args: Any) -> None:
-        read, write = os.pipe()
-        config = {"model": str(model), "fd": write, "llm": llm_args}
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", __name__, json.dumps(config)], stdin=subprocess.PIPE,
-                                         stdout=out, stderr=subprocess.STDOUT, text=True, pass_fds=[write],
-                                         cwd=Path(__file__).parents[2])  # fmt: skip
-        os.close(write)
-        self.replies = os.fdopen(read)
-        self.log = log
+        super().__init__(__name__, {"model": str(model), "llm": llm_args}, log=log, cwd=Path(__file__).parents[2])
 
     def generate(self, tokens: list[int], timeout_s: float = 60.0) -> int:
         """Runs one prompt; its cached prompt tokens."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(tokens) + "\n")
-        self.proc.stdin.flush()
-        ready, _, _ = select.select([self.replies], [], [], timeout_s)
-        line = self.replies.readline() if ready else ""
-        if not line:
-            tail = self.log.read_text()[-3000:]
-            raise AssertionError(f"the engine process gave no answer (exit code {self.proc.poll()}):\n{tail}")
-        return int(json.loads(line))
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
         try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.replies.close()
+            return int(self.ask(tokens, timeout_s))
+        except RuntimeError as exc:
+            raise AssertionError(str(exc)) from None
 
 
 def serve(config: dict[str, Any]) -> None:
@@ -57,10 +32,7 @@ def serve(config: dict[str, Any]) -> None:
     from .rig import engine_args
 
     llm = LLM(**engine_args(Path(config["model"])), **config["llm"])
-    with os.fdopen(config["fd"], "w") as out:
-        for line in sys.stdin:
-            out.write(json.dumps(generate(llm, json.loads(line))[2]) + "\n")
-            out.flush()
+    answer_lines(config["fd"], lambda tokens: generate(llm, tokens)[2])
     shutdown(llm)
 
 

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import random
-import select
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 from ...index import OffloadIndex
 from ..engine.index_calls import Chains, prepare_stores
 from .bench import DaemonProcess  # the vLLM benchmark starts daemons with the launcher
+from .child import LineChild, answer_lines
 from .events import TierEvents
 
 TIMED = ("lookup", "on_schedule_end", "prepare_load", "touch", "complete_load", "prepare_store", "complete_store",
@@ -101,39 +101,16 @@ def daemon_cpu_s(daemon: DaemonProcess) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-class EngineChild:
+class EngineChild(LineChild):
     """A plug-in engine in a process of its own (vLLM keeps one KV connector per process),
-    its engine core in-process so that the manager's calls are timed there. Prompts go in on
-    its stdin; the TTFT and the manager's running totals come back on a pipe of their own
-    (vLLM logs to stdout)."""
+    its engine core in-process so that the manager's calls are timed there. Each prompt's
+    answer: the TTFT and the manager's running totals."""
 
     def __init__(self, args: argparse.Namespace, model: Path, daemon: str, events: str | None) -> None:
-        read, write = os.pipe()
-        config = {"args": vars(args), "model": str(model), "daemon": daemon, "events": events, "fd": write}
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__, json.dumps(config)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, text=True, pass_fds=[write])  # fmt: skip
-        os.close(write)
-        self.replies = os.fdopen(read)
+        super().__init__(__name__, {"args": vars(args), "model": str(model), "daemon": daemon, "events": events})
 
     def ask(self, tokens: list[int], timeout_s: float = 300.0) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(tokens) + "\n")
-        self.proc.stdin.flush()
-        ready, _, _ = select.select([self.replies], [], [], timeout_s)
-        line = self.replies.readline() if ready else ""
-        if not line:
-            raise RuntimeError(f"the engine process gave no answer (exit code {self.proc.poll()})")
-        return dict(json.loads(line))
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.replies.close()
+        return dict(super().ask(tokens, timeout_s))
 
 
 def serve_engine(config: dict[str, Any]) -> None:
@@ -149,11 +126,12 @@ def serve_engine(config: dict[str, Any]) -> None:
                                     "endpoint": config["events"], "topic": ""}  # fmt: skip
     llm = engine(args, Path(config["model"]), config["daemon"], **more)
     totals = timed_manager(llm)
-    with os.fdopen(config["fd"], "w") as out:
-        for line in sys.stdin:
-            seconds, cached = ttft(llm, json.loads(line))
-            out.write(json.dumps({"ttft_s": seconds, "cached_tokens": cached, **totals}) + "\n")
-            out.flush()
+
+    def handle(tokens: list[int]) -> dict[str, Any]:
+        seconds, cached = ttft(llm, tokens)
+        return {"ttft_s": seconds, "cached_tokens": cached, **totals}
+
+    answer_lines(config["fd"], handle)
 
 
 def engines_phase(args: argparse.Namespace, model: Path, root: Path) -> dict[str, Any]:
