@@ -78,6 +78,12 @@ def _device_line(device: dict[str, Any]) -> str:
 
 
 def _storage_line(storage: dict[str, Any]) -> str:
-    """Backend and state first; byte counts (file backend usage) in human units."""
-    parts = [f"{k}={human_bytes(v) if k.endswith('_bytes') and isinstance(v, int) else v}" for k, v in storage.items()]
-    return ", ".join(parts)
+    """Backend and state first; byte counts (file backend usage) in human units; a map (the
+    journal's view) as ``name(key=value, ...)``."""
+    return ", ".join(_storage_part(k, v) for k, v in storage.items())
+
+
+def _storage_part(key: str, value: Any) -> str:
+    if isinstance(value, dict):
+        return f"{key}({_storage_line(value)})"
+    return f"{key}={human_bytes(value) if key.endswith('_bytes') and isinstance(value, int) else value}"
