@@ -246,7 +246,11 @@ class StorageTier:
     async def _record_missing(self, name: str) -> None:
         """An object the journal holds as stored was missing or unusable: every daemon on the
         store learns it (a store that evicts by itself, a file deleted by hand)."""
-        await self._journal_call(functools.partial(self._append_if_held, JournalRecord(REMOVED, object_id(name))), 1)
+        oid = object_id(name)
+        # Checked in memory first: LOOKUPs of new prompts miss all the time, and must not
+        # cost a journal read each (an object stored in the last POLL_S is caught next time).
+        if self.feed is not None and self.feed.holds(oid):
+            await self._record([JournalRecord(REMOVED, oid)])
 
     async def _record(self, records: list[JournalRecord]) -> None:
         if records:
@@ -256,12 +260,6 @@ class StorageTier:
         # This daemon reads them back with everyone else's (its follower, within POLL_S).
         assert self.backend.journal is not None
         self.backend.journal.append(records)
-
-    def _append_if_held(self, record: JournalRecord) -> None:
-        assert self.feed is not None
-        self.feed.catch_up()  # another daemon may have stored it a moment ago
-        if self.feed.holds(record.object_id):
-            self._append([record])
 
     async def _journal_call(self, call: Callable[[], None], records: int) -> None:
         """Runs a journal call on an I/O thread; a journal that fails costs the journal, not the command."""

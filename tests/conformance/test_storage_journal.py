@@ -145,6 +145,8 @@ def test_an_object_found_missing_is_reported_removed(
     assert ca.call(T.STORE, keys=chain, host_ids=[40, 41], device_ids=[4, 5]).result["stored"] == 2
     view_b = View(cb)
     view_b.until(lambda: set(chain) <= set(view_b.held), "the objects")
+    view_a = View(ca)
+    view_a.until(lambda: set(chain) <= set(view_a.held), "the objects, in A's view")
     object_file(store, chain[1]).unlink()  # removed by hand: no daemon saw it
     assert ca.call(T.LOAD, keys=chain, host_ids=[50, 51]).result["loaded"] == 1
     view_b.until(lambda: chain[1] not in view_b.held, "the object A's LOAD found missing, at B")
