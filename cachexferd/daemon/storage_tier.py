@@ -163,15 +163,23 @@ class StorageTier:
             log.warning("store: %d of %d objects not written (first: %s)", len(failed), len(keys), failed[0])
         if failed and stored == 0 and len(failed) == len(keys):
             raise ProtocolError(ErrorCode.STORAGE_ERROR, f"no object was written: {failed[0]}")
-        if stored and self.backend.drops_writes:  # the store may have evicted some already
-            (present,) = await self._run("store", [lambda stop: self.backend.exists(names[:stored])], cancel, False)
-            stored = next((i for i, there in enumerate(present) if not there), stored)
         tags = tags or [b""] * stored
         size = codec.object_bytes
         await self._record([JournalRecord(STORED, object_id(n), n, t, size) for n, t in zip(names[:stored], tags)])
+        if stored and self.backend.drops_writes:
+            stored = await self._still_there(names[:stored], cancel)
         written = len(keys) - len(failed)
         self.metrics.transfer_bytes.labels("store").inc(written * block_bytes)
         return {"stored": stored, "failed": len(failed), "bytes": written * block_bytes}
+
+    async def _still_there(self, names: list[str], cancel: CancelToken) -> int:
+        """How many leading objects a store that evicts by itself still holds. Asked after the
+        journal's append, which takes memory in the same store and may evict some; those found
+        gone are recorded removed."""
+        (present,) = await self._run("store", [lambda stop: self.backend.exists(names)], cancel, False)
+        gone = [n for n, there in zip(names, present) if not there]
+        await self._record([JournalRecord(REMOVED, object_id(n)) for n in gone])
+        return next((i for i, there in enumerate(present) if not there), len(names))
 
     async def _begin_store(self, names: list[str], codec: ObjectCodec, parent: str | None, cancel: CancelToken) -> int:
         """How many leading objects the store has room for (all, unless it ``reserves_room``)."""
