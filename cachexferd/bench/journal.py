@@ -1,8 +1,8 @@
 """``cachexferd bench journal``: CPU per stored object of the storage journal.
 
-Two daemons share one directory (tmpfs by default): the writer appends each STORE's records
-and its follower reads them back into its view; the other daemon's follower reads them,
-indexes the objects for its eviction (``learn``) and updates its view. Both run here, in
+Two daemons share one directory (tmpfs by default): the writer makes each STORE's records,
+appends them and its follower reads them back into its view; the other daemon's follower
+reads them, indexes the objects for its eviction (``learn``) and updates its view. Both run here, in
 one process, on real files, timed in CPU time per record. The baseline, in the same run and
 alternating with it, is the cheapest append-only log of the same bytes: one ``os.write`` of
 the same frames on a file opened per append, read back with one ``read``.
@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..daemon.server import tune_gc
 from ..daemon.storage_feed import StorageFeed
 from ..storage.file import FileBackend
 from ..storage.journal import STORED, FileJournal, JournalRecord, frames, object_id
@@ -37,22 +38,29 @@ def add_journal_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
-def names_for(count: int, round_no: int) -> list[str]:
-    return [f"w0/vllm:bench:ranks1:g0:r{round_no}:{i:032x}" for i in range(count)]
+def names_for(count: int, per_store: int, round_no: int) -> list[str]:
+    return [f"w0/vllm:bench:ranks1:g0:s{per_store}r{round_no}:{i:032x}" for i in range(count)]
 
 
-def journal_cpu(root: Path, names: list[str], per_store: int) -> tuple[float, float]:
-    """(writer, follower) CPU seconds for appending ``names`` in STOREs of ``per_store``."""
-    journal = FileJournal(str(root / ".journal"))
-    writer = StorageFeed(journal, "")
-    follower_backend = FileBackend(root)
-    follower = StorageFeed(FileJournal(str(root / ".journal")), "", follower_backend.learn)
-    while writer.catch_up() or follower.catch_up():  # past what earlier rounds left
-        pass
-    records = [JournalRecord(STORED, object_id(n), n, _TAG, _OBJECT_BYTES) for n in names]
+class Daemons:
+    """The two daemons' journal objects, feeds and eviction indexes, kept from round to round
+    (a daemon's index holds what it learned before)."""
+
+    def __init__(self, root: Path) -> None:
+        self.journal = FileJournal(str(root / ".journal"))
+        self.writer = StorageFeed(self.journal, "", FileBackend(root).learn)
+        self.follower = StorageFeed(FileJournal(str(root / ".journal")), "", FileBackend(root).learn)
+
+
+def journal_cpu(daemons: Daemons, names: list[str], per_store: int) -> tuple[float, float]:
+    """(writer, follower) CPU seconds for ``names`` stored in STOREs of ``per_store``. The
+    writer makes each STORE's records (object ids), appends them and reads them back into its
+    view, as a daemon's STORE and follower do; the follower reads them, indexes the objects
+    for its eviction and updates its view."""
+    journal, writer, follower = daemons.journal, daemons.writer, daemons.follower
     start = time.process_time()
-    for i in range(0, len(records), per_store):
-        journal.append(records[i : i + per_store])
+    for i in range(0, len(names), per_store):
+        journal.append([JournalRecord(STORED, object_id(n), n, _TAG, _OBJECT_BYTES) for n in names[i : i + per_store]])
     while writer.catch_up():  # its follower thread, every 0.1 s
         pass
     middle = time.process_time()
@@ -78,13 +86,13 @@ def raw_cpu(root: Path, names: list[str], per_store: int) -> float:
     return time.process_time() - start
 
 
-def measure(root: Path, per_store: int, objects: int, rounds: int) -> dict[str, Any]:
+def measure(root: Path, daemons: Daemons, per_store: int, objects: int, rounds: int) -> dict[str, Any]:
     writer, follower, raw = [], [], []
     for r in range(rounds + 1):
-        names = names_for(objects, r)
+        names = names_for(objects, per_store, r)
         kinds = ["journal", "raw"] if r % 2 == 0 else ["raw", "journal"]  # alternate who goes first
         for kind in kinds:
-            got = journal_cpu(root, names, per_store) if kind == "journal" else raw_cpu(root, names, per_store)
+            got = journal_cpu(daemons, names, per_store) if kind == "journal" else raw_cpu(root, names, per_store)
             if r == 0:
                 continue  # warm-up round
             if kind == "journal":
@@ -103,11 +111,13 @@ def measure(root: Path, per_store: int, objects: int, rounds: int) -> dict[str, 
 def run(args: argparse.Namespace) -> int:
     root = Path(args.path or tempfile.mkdtemp(prefix="cx-bench-journal-", dir="/dev/shm"))
     rows = []
+    tune_gc()  # the daemon's garbage collector settings: its cost per object is part of the figure
+    daemons = Daemons(root)
     try:
         print("CPU per stored object, median [best], µs")
         print("objects/STORE  writer          follower        both    raw log")
         for per_store in (int(x) for x in args.per_store.split(",")):
-            row = measure(root, per_store, args.objects, args.rounds)
+            row = measure(root, daemons, per_store, args.objects, args.rounds)
             rows.append(row)
             both = row["writer_us"] + row["follower_us"]
             print(f"{per_store:>13}  {row['writer_us']:>6.2f} [{row['writer_best_us']:>6.2f}]  "

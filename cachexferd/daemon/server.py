@@ -64,7 +64,7 @@ _NOBLOCK, _RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)  # plain ints: see zmqio
 _GC_YOUNG_THRESHOLD = 20_000  # allocations between young-generation collections (default 700)
 
 
-def _tune_gc() -> None:
+def tune_gc() -> None:
     """Every command allocates a few short-lived objects; with the default thresholds the
     collector's full passes over everything the daemon holds (torch's modules, thousands of
     commands in flight) cost more than the commands. Objects alive at start-up are frozen
@@ -178,7 +178,7 @@ class Daemon:
             self.access.log_warnings()
             if self.storage is not None:
                 self.storage.start()
-            _tune_gc()
+            tune_gc()
             loop = asyncio.get_running_loop()
             loop.add_reader(self.router.fileno(), self._read_turn)
         except BaseException:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import random
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..storage.journal import STORED, Journal, JournalRecord
+from ..storage.journal import OP_NAMES, REMOVED, STORED, Journal, Row
 from ..storage.objects import parse_object_name
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ _SNAPSHOT = 1 << 62
 _INDEX_BITS = 32
 _NUMBER_BITS = 42
 _NUMBER_MASK = (1 << _NUMBER_BITS) - 1
+_OP_OF, _ID_OF = operator.itemgetter(0), operator.itemgetter(1)
 
 
 Event = list[Any]  # [number, op, version, key, tag] on the wire
@@ -43,21 +45,24 @@ Event = list[Any]  # [number, op, version, key, tag] on the wire
 
 class StorageFeed:
     def __init__(
-        self, journal: Journal, namespace: str, on_read: Callable[[list[JournalRecord]], None] | None = None,
+        self, journal: Journal, namespace: str, on_read: Callable[[list[Row]], None] | None = None,
         poll_s: float = POLL_S, ring: int = RING,
     ) -> None:  # fmt: skip
-        """``on_read``: given every batch of records read (the backend's ``learn``)."""
+        """``on_read``: given the records read that this daemon's own journal object did not
+        append as stores (the backend's ``learn``: its own stores are indexed already)."""
         self.journal, self.namespace, self.poll_s, self.on_read = journal, namespace, poll_s, on_read
         self._lock = threading.Lock()  # the view (short holds; the event loop reads it)
         self._reading = threading.Lock()  # one journal read at a time (the follower, I/O threads)
-        self._objects: dict[bytes, JournalRecord] = {}  # object id -> its stored record
-        self._ring: deque[tuple[int, str, JournalRecord]] = deque(maxlen=ring)  # (number, op, object)
+        self._objects: dict[bytes, Row] = {}  # object id -> its stored record
+        # The latest changes, numbered floor + 1 .. number in order: a stored record as read,
+        # or, for a removal, the record that had stored the object with its op made REMOVED.
+        self._ring: deque[Row] = deque(maxlen=ring)
         self._number = 0  # of the last change
         self._floor = 0  # cursors numbered below this are too old for the ring: such clients start over
         self._view = random.getrandbits(19) + 1  # never 0: a cursor of 0 is a new client
         self._position = 0  # where the next journal read starts
         self._snapshots = itertools.count(1)
-        self._snapshot: tuple[int, list[JournalRecord], int] = (0, [], 0)  # (number, objects, change number)
+        self._snapshot: tuple[int, list[Row], int] = (0, [], 0)  # (number, objects, change number)
         self.records = 0  # records read from the journal
         self.gaps = 0  # times records were lost before this daemon read them
         self._stop = threading.Event()
@@ -99,8 +104,8 @@ class StorageFeed:
                 self._apply(read.records)
                 self._position = read.position
                 self.records += len(read.records)
-            if self.on_read is not None and read.records:
-                self.on_read(read.records)
+            if self.on_read is not None and read.news:
+                self.on_read(read.news)
             return len(read.records) >= _READ
 
     def _lose_view(self) -> None:
@@ -113,25 +118,28 @@ class StorageFeed:
         self._view = self._view % (1 << 19) + 1
         self._floor = self._number
 
-    def _apply(self, records: list[JournalRecord]) -> None:
+    def _apply(self, records: list[Row]) -> None:
         """Records kept as read (the name is parsed, and another namespace's skipped, only
-        when a client asks): every daemon on the store reads every record, so this loop is
-        the journal's cost per object and stays short."""
-        objects, ring, number = self._objects, self._ring, self._number
-        for record in records:
-            if record.op == STORED:
-                objects[record.object_id] = record
-                change = record
-            else:
-                gone = objects.pop(record.object_id, None)
-                if gone is None:
-                    continue
-                change = gone
-            number += 1
-            ring.append((number, record.op, change))
-        self._number = number
-        if len(ring) == ring.maxlen:  # the oldest changes left the ring
-            self._floor = max(self._floor, ring[0][0] - 1)
+        when a client asks): every daemon on the store reads every record, so this is the
+        journal's cost per object; a batch of stores alone (the usual) is applied in C."""
+        objects, ring = self._objects, self._ring
+        if set(map(_OP_OF, records)) == {STORED}:
+            objects.update(zip(map(_ID_OF, records), records))
+            ring.extend(records)
+            self._number += len(records)
+        else:
+            for record in records:
+                if record[0] == STORED:
+                    objects[record[1]] = record
+                    ring.append(record)
+                else:
+                    gone = objects.pop(record[1], None)
+                    if gone is None:
+                        continue
+                    ring.append((REMOVED, *gone[1:]))
+                self._number += 1
+        # The changes older than the ring's first are gone: clients still before them start over.
+        self._floor = max(self._floor, self._number - len(ring))
 
     def holds(self, object_id: bytes) -> bool:
         return object_id in self._objects
@@ -157,7 +165,7 @@ class StorageFeed:
         part = objects[index : index + limit]
         end = index + len(part)
         done = end >= len(objects)
-        events = self._events((change, STORED, o) for o in part)
+        events = self._events(itertools.repeat(change), part)
         nxt = self._cursor(change) if done else _SNAPSHOT | number << _INDEX_BITS | end
         # The changes since the copy are served after it, unless the ring has moved past them.
         more = not done or self._number > change
@@ -166,18 +174,18 @@ class StorageFeed:
     def _ring_page(self, after: int, limit: int) -> dict[str, Any]:
         first = len(self._ring) - (self._number - after)  # the ring holds changes floor+1 .. number, in order
         tail = list(itertools.islice(self._ring, first, first + limit))
-        events = self._events(tail)
-        last = tail[-1][0] if tail else after
+        events = self._events(itertools.count(after + 1), tail)
+        last = after + len(tail)
         return {"journal": True, "events": events, "next": self._cursor(last), "reset": False,
                 "more": last < self._number}  # fmt: skip
 
-    def _events(self, changes: Iterable[tuple[int, str, JournalRecord]]) -> list[Event]:
+    def _events(self, numbers: Iterable[int], changes: Iterable[Row]) -> list[Event]:
         """The wire form of changes to objects of this daemon's namespace."""
         events = []
-        for number, op, stored in changes:
-            parsed = parse_object_name(stored.name, self.namespace)
+        for number, (op, _, name, tag, _) in zip(numbers, changes):
+            parsed = parse_object_name(name, self.namespace)
             if parsed is not None:
-                events.append([number, op, parsed[0], parsed[1], stored.tag])
+                events.append([number, OP_NAMES[op], parsed[0], parsed[1], tag])
         return events
 
     def describe(self) -> dict[str, Any]:

@@ -37,7 +37,9 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .journal import Journal, JournalRecord
+    from collections.abc import Sequence
+
+    from .journal import Journal, Row
 
 NO_ROOM = (
     "no room: the store (storage.capacity or its file system) is full of objects that may not make room for this "
@@ -146,7 +148,7 @@ class StorageBackend(ABC):
     def end_store(self, names: list[str], parent: str | None = None) -> None:  # noqa: B027 - optional hook
         """After the STORE's puts have returned (or were abandoned)."""
 
-    def learn(self, records: list[JournalRecord]) -> None:  # noqa: B027 - optional hook
+    def learn(self, records: Sequence[Row]) -> None:  # noqa: B027 - optional hook
         """What the journal says every daemon on the store did (``journal`` backends; on the
         journal's reading thread): a backend that evicts by itself indexes others' objects."""
 

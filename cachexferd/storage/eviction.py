@@ -99,9 +99,12 @@ class EvictionIndex:
         their parent while it was gone load from the head again if it does."""
         entry = self._entries[path] = _Entry(size, stamp)
         self.total += size
+        self._reattach(path)
+        return entry
+
+    def _reattach(self, path: str) -> None:
         for child in self._children.get(path, ()):
             self._set_cut(child, False)
-        return entry
 
     def _link(self, path: str, entry: _Entry, parent: str) -> None:
         if parent != entry.parent and parent != path:
@@ -166,12 +169,17 @@ class EvictionIndex:
 
     def known_many(self, objects: Sequence[tuple[str, int, int]]) -> None:
         """``known`` for each (path, bytes, mtime), under one hold of the lock."""
-        with self._lock:
-            entries, heap = self._entries, self._heap
+        with self._lock:  # the journal brings every object other daemons store: kept short
+            entries, heap, children, push, added = self._entries, self._heap, self._children, heapq.heappush, 0
             for path, size, mtime in objects:
-                if path not in entries:
-                    self._add(path, size, mtime)
-                    heapq.heappush(heap, (_WHOLE, mtime, path))
+                if path in entries:
+                    continue
+                entries[path] = _Entry(size, mtime)
+                added += size
+                if path in children:  # objects named it as their parent while it was gone
+                    self._reattach(path)
+                push(heap, (_WHOLE, mtime, path))
+            self.total += added
 
     def discard(self, path: str) -> None:
         """``path`` is gone (deleted, or missing at a scan)."""

@@ -36,6 +36,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +52,7 @@ from .base import (
     StorageUnavailable,
 )
 from .eviction import EvictionIndex
-from .journal import REMOVED, FileJournal, JournalRecord
+from .journal import REMOVED, FileJournal, JournalRecord, Row
 from .objects import HEADER_BYTES
 
 if TYPE_CHECKING:
@@ -144,25 +145,24 @@ class FileBackend(StorageBackend):
             log.debug("evicted %d objects from %s", len(paths), self.root)
             self._record_removed([bytes.fromhex(os.path.basename(p)) for p in paths])
 
-    def learn(self, records: list[JournalRecord]) -> None:
+    def learn(self, records: Sequence[Row]) -> None:
         """Indexes the objects other daemons on the directory store as soon as the journal
         says so (not at the next scan), so capacity and eviction count them; forgets removed ones."""
         now, root, index = time.time_ns(), self._root, self.index
         new: list[tuple[str, int, int]] = []
-        for op, oid, _name, _tag, size in records:
+        for op, oid, _, _, size in records:  # every daemon reads every record: kept short
             digest = oid.hex()
             path = f"{root}/{digest[:2]}/{digest[2:4]}/{digest}"
             if op == REMOVED:
                 index.discard(path)
-            elif path in index:  # this daemon's own, or known already
-                continue
-            elif size:  # stored just now: no need to ask the file system
+            elif size:  # stored just now: no need to ask the file system (known ones are skipped)
                 new.append((path, size, now))
-            else:
+            elif path not in index:
                 with contextlib.suppress(OSError):  # gone again already
                     st = os.stat(path)
                     new.append((path, st.st_size, st.st_mtime_ns))
-        index.known_many(new)
+        if new:
+            index.known_many(new)
 
     def _record_removed(self, ids: list[bytes]) -> None:
         """Tells every daemon on the store (the journal) that these objects are gone."""

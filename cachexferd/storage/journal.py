@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import operator
 import os
 import struct
 import threading
@@ -31,8 +32,8 @@ import msgpack
 
 log = logging.getLogger(__name__)
 
-STORED, REMOVED = "stored", "removed"
-_OPS = (STORED, REMOVED)
+STORED, REMOVED = 0, 1  # a record's op, as written
+OP_NAMES = ("stored", "removed")  # STORAGE_EVENTS' names of the ops
 SEGMENT_BYTES = 16 << 20  # a journal file is closed for appends beyond this size
 KEEP_SEGMENTS = 8  # files kept (~128 MiB, about 700,000 records); older ones are deleted
 _SEGMENT_SHIFT = 40  # position = segment number << 40 | offset in the segment
@@ -42,6 +43,7 @@ _MAX_FRAME = 1 << 20  # a length beyond this is not a frame (a damaged file)
 REDIS_KEY = "cachexferd:journal"  # cannot be an object's name: those start with "w<version>/" or "<namespace>/"
 REDIS_MAX_ENTRIES = 10_000  # appends (one per command) kept in the stream
 _SEQ_BITS = 20  # position = milliseconds << 20 | sequence number within the millisecond
+_MINE = 4096  # own appends remembered until read back
 
 
 def object_id(name: str) -> bytes:
@@ -50,18 +52,30 @@ def object_id(name: str) -> bytes:
 
 
 class JournalRecord(NamedTuple):  # a tuple: hundreds of thousands are made per second
-    op: str  # STORED or REMOVED
+    op: int  # STORED or REMOVED
     object_id: bytes
     name: str = ""  # the object's name (stored records)
     tag: bytes = b""  # the STORE's tag for the object (stored records)
     size: int = 0  # the object's bytes (stored records; 0: not known)
 
 
+# A record as read back: a plain tuple in JournalRecord's order (made by msgpack, in C: every
+# daemon on a store reads every record, so nothing is built per record in Python).
+Row = tuple[int, bytes, str, bytes, int]
+
+
 @dataclass(frozen=True, slots=True)
 class JournalRead:
-    records: list[JournalRecord]  # in the journal's order
+    records: list[Row]  # in the journal's order
     position: int  # where the next read starts
     gap: bool = False  # records between the position asked and the first one returned are lost
+    # The records not appended by this Journal object as stores only (what this daemon's
+    # backend knows already need not be indexed again); None: all of them.
+    others: list[Row] | None = None
+
+    @property
+    def news(self) -> list[Row]:
+        return self.records if self.others is None else self.others
 
 
 class Journal(ABC):
@@ -84,20 +98,30 @@ class Journal(ABC):
 
 def frames(records: list[JournalRecord]) -> list[bytes]:
     """The records as frames of at most ``FRAME_RECORDS``: one msgpack array of
-    ``[op, object id, name, tag, size]`` each (one encoder call per frame, not per record)."""
-    out = []
-    for start in range(0, len(records), FRAME_RECORDS):
-        rows = [[_OPS.index(r.op), r.object_id, r.name, r.tag, r.size] for r in records[start : start + FRAME_RECORDS]]
-        out.append(msgpack.packb(rows, use_bin_type=True))
-    return out
+    ``[op, object id, name, tag, size]`` arrays each (one encoder call per frame)."""
+    starts = range(0, len(records), FRAME_RECORDS)
+    return [msgpack.packb(records[i : i + FRAME_RECORDS], use_bin_type=True) for i in starts]
 
 
-def decode(body: bytes) -> list[JournalRecord]:
-    """A frame's records; none when the bytes are not a frame (a writer of a later format, damage)."""
+_ROW = (int, bytes, str, bytes, int)
+_OP_OF = operator.itemgetter(0)
+
+
+def decode(body: bytes) -> tuple[Row, ...]:
+    """A frame's records; none when the bytes are not a frame (a writer of a later format, damage).
+    Every row's shape and op are checked in C; the types of the first row only (a frame is
+    written whole, by one encoder call)."""
     try:
-        return [JournalRecord(_OPS[op], oid, name, tag, size) for op, oid, name, tag, size in msgpack.unpackb(body)]
-    except (ValueError, TypeError, IndexError, msgpack.UnpackException):
-        return []
+        rows = msgpack.unpackb(body, use_list=False)
+        if type(rows) is not tuple or not rows or set(map(len, rows)) != {5}:
+            return ()
+        if not set(map(_OP_OF, rows)) <= {STORED, REMOVED}:
+            return ()
+    except (ValueError, TypeError, msgpack.UnpackException):  # not msgpack, or a row not an array
+        return ()
+    if not all(type(v) is t for v, t in zip(rows[0], _ROW)):
+        return ()
+    return rows
 
 
 class FileJournal(Journal):
@@ -116,6 +140,9 @@ class FileJournal(Journal):
         self.segment_bytes, self.keep = segment_bytes, keep
         self._lock = threading.Lock()
         self.appended = 0  # records this process appended
+        # This object's own appends of stores, by (segment, offset), until read back: taken
+        # from memory instead of decoded (a writer reads back everything it writes).
+        self._mine: dict[tuple[int, int], tuple[int, list[JournalRecord]]] = {}
 
     # Appending ------------------------------------------------------------------------------
 
@@ -130,12 +157,21 @@ class FileJournal(Journal):
             fd = self._open(segment)
             try:
                 os.write(fd, data)  # one write: whole, after every other writer's (O_APPEND)
+                end = os.lseek(fd, 0, os.SEEK_CUR)  # where this write ended, whoever wrote since
                 full = os.fstat(fd).st_size >= self.segment_bytes
             finally:
                 os.close(fd)
             self.appended += len(records)
+            self._remember(segment, end - len(data), len(data), records)
             if full:
                 self._rotate(segment + 1)
+
+    def _remember(self, segment: int, start: int, length: int, records: list[JournalRecord]) -> None:
+        if any(r[0] != STORED for r in records):
+            return  # removals are rare: decoded like another writer's
+        if len(self._mine) >= _MINE:  # not read back (reads failing): forget the oldest
+            del self._mine[next(iter(self._mine))]
+        self._mine[(segment, start)] = (length, records)
 
     def _open(self, segment: int) -> int:
         try:
@@ -163,9 +199,10 @@ class FileJournal(Journal):
         if position == 0 or segment < segments[0]:
             gap = position != 0  # the records after ``position`` were deleted with their file
             segment, offset = segments[0], 0
-        records: list[JournalRecord] = []
+        records: list[Row] = []
+        others: list[Row] = []
         while len(records) < limit:
-            read_to = self._read_segment(segment, offset, limit - len(records), records)
+            read_to = self._read_segment(segment, offset, limit - len(records), records, others)
             if read_to != offset:  # more of this file may follow what one read took
                 offset = read_to
                 continue
@@ -173,9 +210,18 @@ class FileJournal(Journal):
             if not later or not self._finished(segment, offset):
                 break
             segment, offset = later[0], 0
-        return JournalRead(records, (segment << _SEGMENT_SHIFT) | offset, gap)
+        self._forget_mine_before((segment, offset))
+        return JournalRead(records, (segment << _SEGMENT_SHIFT) | offset, gap, others)
 
-    def _read_segment(self, segment: int, offset: int, limit: int, out: list[JournalRecord]) -> int:
+    def _forget_mine_before(self, place: tuple[int, int]) -> None:
+        """Drops own appends a read has passed (read from the file: it raced with the append)."""
+        while self._mine:
+            first = next(iter(self._mine))  # appends are remembered in the order they landed
+            if first >= place:
+                return
+            self._mine.pop(first, None)
+
+    def _read_segment(self, segment: int, offset: int, limit: int, out: list[Row], others: list[Row]) -> int:
         try:
             fd = os.open(self._path(segment), os.O_RDONLY)
         except FileNotFoundError:
@@ -192,10 +238,17 @@ class FileJournal(Journal):
                 log.warning("storage journal %s is damaged at byte %d; reading on from the next file",
                             self._path(segment), offset + at)  # fmt: skip
                 return 1 << (_SEGMENT_SHIFT - 1)  # past any offset: this file is finished
+            mine = self._mine.pop((segment, offset + at), None)
+            if mine is not None and at + mine[0] <= len(data):
+                out += mine[1]
+                at += mine[0]
+                continue
             end = at + _LEN.size + size
             if end > len(data):
                 break  # a frame still being written, or beyond this read
-            out += decode(data[at + _LEN.size : end])
+            rows = decode(data[at + _LEN.size : end])
+            out += rows
+            others += rows
             at = end
         return offset + at
 
@@ -247,7 +300,7 @@ class RedisJournal(Journal):
     def read(self, position: int, limit: int) -> JournalRead:
         after = "-" if position == 0 else f"({_stream_id(position)}"
         entries = self.client.xrange(self.key, min=after, max="+", count=max(1, limit // 16))
-        records: list[JournalRecord] = []
+        records: list[Row] = []
         for _, fields in entries:
             records += decode(fields.get(b"r", b""))
         end = _position(entries[-1][0]) if entries else position

@@ -35,7 +35,7 @@ class View:
             if page["reset"]:
                 self.held.clear()
             for _pos, op, _version, key, tag in page["events"]:
-                if op == STORED:
+                if op == "stored":
                     self.held[key] = tag
                 else:
                     self.held.pop(key, None)
@@ -94,7 +94,7 @@ def test_a_reader_whose_records_were_trimmed_learns_of_the_gap(redis_server: Red
     journal = RedisJournal(client, key=f"test-journal-{time.monotonic_ns()}", max_entries=10)
     journal.append([JournalRecord(STORED, object_id("w0/first"), "w0/first", b"x")])
     first = journal.read(0, 10)
-    assert [r.name for r in first.records] == ["w0/first"] and not first.gap
+    assert [r[2] for r in first.records] == ["w0/first"] and not first.gap
     for i in range(600):  # one entry per append; XADD MAXLEN ~ trims whole stream nodes (100 entries)
         journal.append([JournalRecord(STORED, object_id(f"w0/{i}"), f"w0/{i}", b"")])
     behind = journal.read(first.position, 1000)

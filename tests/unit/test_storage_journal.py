@@ -8,6 +8,8 @@ from __future__ import annotations
 import multiprocessing
 from pathlib import Path
 
+import msgpack
+
 from cachexferd.daemon.storage_feed import StorageFeed
 from cachexferd.storage.journal import REMOVED, STORED, FileJournal, JournalRecord, object_id
 
@@ -45,7 +47,7 @@ def test_writers_in_several_processes_never_interleave_and_files_rotate(tmp_path
     records, _ = read_all(FileJournal(directory))
     assert len(records) == WRITERS * PER_WRITER, "every record, once"
     for writer in range(WRITERS):
-        mine = [r.name for r in records if r.tag == bytes([writer])]
+        mine = [r[2] for r in records if r[3] == bytes([writer])]
         assert mine == [f"w0/k-{writer}-{j:05d}" for j in range(PER_WRITER)], "each writer's order kept"
     assert len(list(Path(directory).glob("*.log"))) > 3, "8 KiB files: the journal rotated"
 
@@ -54,7 +56,7 @@ def test_old_files_are_deleted_and_a_reader_behind_them_learns_of_the_gap(tmp_pa
     journal = FileJournal(str(tmp_path / "j"), segment_bytes=1 << 10, keep=2)
     journal.append([JournalRecord(STORED, object_id("w0/first"), "w0/first", b"t")])
     first = journal.read(0, 10)
-    assert [r.name for r in first.records] == ["w0/first"] and not first.gap
+    assert [r[2] for r in first.records] == ["w0/first"] and not first.gap
     for i in range(200):
         journal.append([JournalRecord(REMOVED, object_id(f"w0/x{i}"))])
     assert len(list((tmp_path / "j").glob("*.log"))) == 2
@@ -69,7 +71,7 @@ def test_damaged_bytes_are_skipped_not_fatal(tmp_path: Path) -> None:
     with open(tmp_path / "j" / "000000000000.log", "ab") as f:
         f.write(b"\x05\x00\x00\x00junk!")  # a frame that does not decode
     journal.append([JournalRecord(STORED, object_id("w0/b"), "w0/b", b"")])
-    names = [r.name for r in read_all(journal)[0]]
+    names = [r[2] for r in read_all(journal)[0]]
     assert names == ["w0/a", "w0/b"]
 
 
@@ -95,7 +97,7 @@ def follow(feed: StorageFeed, cursor: int, limit: int = 4096) -> tuple[dict[str,
             held.clear()
         for _, op, version, key, tag in page["events"]:
             assert version == 3
-            if op == STORED:
+            if op == "stored":
                 held[key] = tag
             else:
                 held.pop(key, None)
@@ -152,7 +154,11 @@ def test_frames_round_trip_and_split() -> None:
     parts = frames(records)
     assert len(parts) == -(-2500 // FRAME_RECORDS)
     assert [r for p in parts for r in decode(p)] == records
-    assert decode(b"\xc1") == [] and decode(b"\x91\x01") == []
+    assert decode(b"\xc1") == () and decode(b"\x91\x01") == ()
+    good = [0, bytes(16), "w0/a", b"", 1]
+    for bad in ([[*good[:4]]], [[2, *good[1:]]], [[0, "not bytes", "w0/a", b"", 1]], [good, 7], {"r": 1}):
+        assert decode(msgpack.packb(bad, use_bin_type=True)) == (), bad
+    assert decode(msgpack.packb([good], use_bin_type=True)) == (tuple(good),)
 
 
 def test_a_long_backlog_is_read_in_full_pages(tmp_path: Path) -> None:
@@ -166,3 +172,25 @@ def test_a_long_backlog_is_read_in_full_pages(tmp_path: Path) -> None:
     assert len(first.records) >= 30_000
     rest = journal.read(first.position, 30_000)
     assert len(first.records) + len(rest.records) == 40_000
+
+
+def test_a_writer_reads_its_own_stores_back_from_memory_and_others_from_the_file(tmp_path: Path) -> None:
+    """What a daemon appended as stores is taken back from memory (its backend knows those
+    objects: they are not in ``news``); other writers' records and its own removals are decoded.
+    Every reader sees the same records in the same order."""
+    directory = str(tmp_path / "j")
+    mine, theirs = FileJournal(directory), FileJournal(directory)
+    stored = [JournalRecord(STORED, object_id(f"w0/m{i}"), f"w0/m{i}", b"m", 7) for i in range(3)]
+    other = [JournalRecord(STORED, object_id("w0/o"), "w0/o", b"o", 9)]
+    removed = [JournalRecord(REMOVED, object_id("w0/m0"))]
+    mine.append(stored[:2])
+    theirs.append(other)
+    mine.append(removed)
+    mine.append(stored[2:])
+    read = mine.read(0, 100)
+    want = [*stored[:2], *other, *removed, *stored[2:]]
+    assert [tuple(r) for r in read.records] == [tuple(r) for r in want]
+    assert [tuple(r) for r in read.news] == [tuple(r) for r in [*other, *removed]]
+    fresh = FileJournal(directory).read(0, 100)
+    assert [tuple(r) for r in fresh.records] == [tuple(r) for r in want] and fresh.news == fresh.records
+    assert not mine._mine, "every own append read back is forgotten"

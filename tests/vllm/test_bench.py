@@ -47,3 +47,22 @@ def test_tiny_benchmark_reports_every_engine(tmp_path: Path) -> None:
     assert memory["recompute"]["kv_bytes"] == 768 << 20 and plain > 768 << 20, memory
     assert plugged <= 1.1 * plain, f"worker peak RSS {plugged / 2**20:.0f} MiB vs vLLM alone {plain / 2**20:.0f} MiB"
     assert "worker peak RSS" in proc.stdout and "start-up" in proc.stdout
+
+
+def test_tiny_kv_events_benchmark_measures_what_publishing_adds(tmp_path: Path) -> None:
+    """``--kv-events`` at a tiny size: both engines answer every turn, the router receives
+    batches, and the events-on engine's publishing work is measured (not zero) beside the
+    plug-in's own time."""
+    out = tmp_path / "events.json"
+    argv = [sys.executable, "-m", "cachexferd.integrations.vllm.bench", "--kv-events", "--conversations", "2",
+            "--turns", "2", "--history-tokens", "128", "--user-tokens", "32", "--reply-tokens", "16",
+            "--micro-blocks", "2000", "--json", str(out)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=540, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    engines = json.loads(out.read_text())["engines"]
+    assert len(engines["rows"]) == 2 * 2 * 2 and engines["router_batches"] > 0, engines
+    on, off = engines["steps"]["events on"], engines["steps"]["events off"]
+    assert on["events_s"] > 0 and on["connector_take_s"] >= on["take_events_s"] > 0 and on["publish_s"] > 0, on
+    assert off["publish_s"] == 0 and off["connector_take_s"] == 0, off
+    assert "of the plug-in's time" in proc.stdout

@@ -70,12 +70,66 @@ def micro(blocks: int, chain: int = 16, host_blocks: int = 2048, rounds: int = 7
             "rounds_on_us": times[True]}  # fmt: skip
 
 
+_PUBLISHING = ("events_s", "take_events_s", "connector_take_s", "publish_s", "publisher_thread_s")
+_EVENT_CALLS = ("know", "add", "gone", "host_gone", "take")  # TierEvents: all of the plug-in's event work
+
+
+def time_event_work(totals: dict[str, float]) -> None:
+    """Adds the CPU time of every ``TierEvents`` call (the plug-in's event work, inside the
+    manager's calls) to ``totals["events_s"]``; before the engine is made, so that callbacks
+    bound at its start are timed too."""
+    totals.setdefault("events_s", 0.0)
+    for name in _EVENT_CALLS:
+        call = getattr(TierEvents, name)
+
+        def timed(self: TierEvents, *args: Any, _call: Any = call) -> Any:
+            start = time.thread_time()
+            try:
+                return _call(self, *args)
+            finally:
+                totals["events_s"] += time.thread_time() - start
+
+        setattr(TierEvents, name, timed)
+
+
+def time_vllm_publishing(llm: Any, totals: dict[str, float]) -> None:
+    """vLLM's side of the events, in the same totals: turning the connector's events into
+    its KV events (``connector_take_s``, the manager's ``take_events`` included) and handing
+    each batch to its publisher (``publish_s``); the publisher thread's own CPU is read at
+    each answer (``publisher_thread_s``)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    for owner, name, key in ((scheduler.connector, "take_events", "connector_take_s"),
+                             (scheduler.kv_event_publisher, "publish", "publish_s")):  # fmt: skip
+        call = getattr(owner, name)
+        totals.setdefault(key, 0.0)
+
+        def timed(*args: Any, _call: Any = call, _key: str = key) -> Any:
+            start = time.thread_time()
+            try:
+                out = _call(*args)
+                return list(out) if _key == "connector_take_s" else out  # a generator: its work is in list()
+            finally:
+                totals[_key] += time.thread_time() - start
+
+        setattr(owner, name, timed)
+
+
+def thread_cpu_s(name: str) -> float:
+    """The CPU time of this process's thread ``name`` (0 when there is none)."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == name and thread.native_id is not None:
+            return int(Path(f"/proc/self/task/{thread.native_id}/schedstat").read_text().split()[0]) / 1e9
+    return 0.0
+
+
 def timed_manager(llm: Any) -> dict[str, float]:
     """Wraps the plug-in manager's calls of an in-process engine; returns the running totals:
     the CPU time of the engine's thread in them (not the wall time: on a shared machine, a
     call preempted by another process would count that process's time)."""
     manager = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler.manager
-    totals = {"seconds": 0.0, "steps": 0.0}
+    totals = {"seconds": 0.0, "steps": 0.0, "take_events_s": 0.0}
 
     def wrap(name: str) -> None:
         call = getattr(manager, name)
@@ -85,8 +139,10 @@ def timed_manager(llm: Any) -> dict[str, float]:
             try:
                 return call(*args, **kwargs)
             finally:
-                totals["seconds"] += time.thread_time() - start
+                spent = time.thread_time() - start
+                totals["seconds"] += spent
                 totals["steps"] += name == "on_schedule_end"
+                totals["take_events_s"] += spent if name == "take_events" else 0.0
 
         setattr(manager, name, timed)
 
@@ -124,12 +180,17 @@ def serve_engine(config: dict[str, Any]) -> None:
     if config["events"]:
         more["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
                                     "endpoint": config["events"], "topic": ""}  # fmt: skip
+    events: dict[str, float] = {}
+    time_event_work(events)
     llm = engine(args, Path(config["model"]), config["daemon"], **more)
     totals = timed_manager(llm)
+    if config["events"]:
+        time_vllm_publishing(llm, events)
 
     def handle(tokens: list[int]) -> dict[str, Any]:
         seconds, cached = ttft(llm, tokens)
-        return {"ttft_s": seconds, "cached_tokens": cached, **totals}
+        return {"ttft_s": seconds, "cached_tokens": cached, **totals, **events,
+                "publisher_thread_s": thread_cpu_s("zmq-publisher")}  # fmt: skip
 
     answer_lines(config["fd"], handle)
 
@@ -165,8 +226,9 @@ def engines_phase(args: argparse.Namespace, model: Path, root: Path) -> dict[str
             stored = daemon_counters(daemon).get(d2h, 0.0) - counters.get(d2h, 0.0)
             block_bytes = int(daemon.status()["host_cache"]["block_bytes"]) or 1
             out["daemon"][name] = {"cpu_s": daemon_cpu_s(daemon) - cpu, "blocks_stored": stored / block_bytes}
+            spent = {k: last[name].get(k, 0.0) - first[name].get(k, 0.0) for k in _PUBLISHING}
             out["steps"][name] = {"steps": last[name]["steps"] - first[name]["steps"],
-                                  "manager_s": last[name]["seconds"] - first[name]["seconds"]}  # fmt: skip
+                                  "manager_s": last[name]["seconds"] - first[name]["seconds"], **spent}  # fmt: skip
     finally:
         for child in engines.values():
             child.close()
@@ -197,8 +259,28 @@ def summarize(result: dict[str, Any]) -> str:
                  f"{requests['events on']:.0f} µs ({requests['events on'] / requests['events off']:.3f}x)")  # fmt: skip
     lines.append(f"events on / off, plug-in time per step: {on / off:.3f}x ({on - off:+.0f} µs); "
                  f"{e['router_batches']} event batches reached the router")  # fmt: skip
+    lines.append(publishing_share(e["steps"]["events on"]))
     lines.append("load average at start: " + " ".join(f"{x:.2f}" for x in result["load_avg"]))
     return "\n".join(lines)
+
+
+def publishing_share(on: dict[str, float]) -> str:
+    """The events' share of the events-on engine's plug-in step time, measured in that engine:
+    the plug-in's event work, vLLM's translation and hand-off, and its publisher thread
+    (which also publishes vLLM's own device-tier events), over the manager's time without
+    the event work."""
+    steps = max(on["steps"], 1)
+    translate = on["connector_take_s"] - on["take_events_s"]  # vLLM's part of take_events
+    added = on["events_s"] + translate + on["publish_s"] + on["publisher_thread_s"]
+    base = on["manager_s"] - on["events_s"]
+    per = {k: v / steps * 1e6 for k, v in (("work", on["events_s"]), ("translate", translate),
+                                          ("publish", on["publish_s"]), ("thread", on["publisher_thread_s"]),
+                                          ("base", base))}  # fmt: skip
+    return (
+        f"events on, per step: plug-in without events {per['base']:.0f} µs; events {per['work']:.1f} µs in the "
+        f"plug-in + {per['translate']:.1f} µs vLLM's translation + {per['publish']:.1f} µs hand-off + "
+        f"{per['thread']:.1f} µs publisher thread = {added / max(base, 1e-9) * 100:.2f}% of the plug-in's time"
+    )
 
 
 def run(args: argparse.Namespace, model: Path, root: Path) -> dict[str, Any]:
