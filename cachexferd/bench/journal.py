@@ -23,7 +23,7 @@ from typing import Any
 from ..daemon.server import tune_gc
 from ..daemon.storage_feed import StorageFeed
 from ..storage.file import FileBackend
-from ..storage.journal import STORED, FileJournal, JournalRecord, frames, object_id
+from ..storage.journal import FileJournal, frames, stored_records
 
 _TAG = bytes(36)  # a vLLM offload key: 32-byte block hash + 4-byte group
 _OBJECT_BYTES = (1 << 20) + 64
@@ -60,7 +60,8 @@ def journal_cpu(daemons: Daemons, names: list[str], per_store: int) -> tuple[flo
     journal, writer, follower = daemons.journal, daemons.writer, daemons.follower
     start = time.process_time()
     for i in range(0, len(names), per_store):
-        journal.append([JournalRecord(STORED, object_id(n), n, _TAG, _OBJECT_BYTES) for n in names[i : i + per_store]])
+        part = names[i : i + per_store]
+        journal.append(stored_records(part, [_TAG] * len(part), _OBJECT_BYTES))
     while writer.catch_up():  # its follower thread, every 0.1 s
         pass
     middle = time.process_time()
@@ -72,7 +73,7 @@ def journal_cpu(daemons: Daemons, names: list[str], per_store: int) -> tuple[flo
 
 def raw_cpu(root: Path, names: list[str], per_store: int) -> float:
     """CPU seconds of the same bytes through one ``os.write`` per STORE and one read back."""
-    records = [JournalRecord(STORED, object_id(n), n, _TAG, _OBJECT_BYTES) for n in names]
+    records = stored_records(names, [_TAG] * len(names), _OBJECT_BYTES)
     path = str(root / "raw.log")
     start = time.process_time()
     for i in range(0, len(records), per_store):

@@ -39,7 +39,7 @@ from ..storage.base import (
     StorageUnavailable,
     stamps,
 )
-from ..storage.journal import REMOVED, STORED, JournalRecord, object_id
+from ..storage.journal import REMOVED, JournalRecord, Row, object_id, stored_records
 from ..storage.objects import Checksum, ObjectCodec, Verdict, object_name
 from .jobs import HoldBlocks
 from .storage_feed import StorageFeed
@@ -165,7 +165,7 @@ class StorageTier:
             raise ProtocolError(ErrorCode.STORAGE_ERROR, f"no object was written: {failed[0]}")
         tags = tags or [b""] * stored
         size = codec.object_bytes
-        await self._record([JournalRecord(STORED, object_id(n), n, t, size) for n, t in zip(names[:stored], tags)])
+        await self._record(stored_records(names[:stored], tags, size))
         if stored and self.backend.drops_writes:
             stored = await self._still_there(names[:stored], cancel)
         written = len(keys) - len(failed)
@@ -260,11 +260,11 @@ class StorageTier:
         if self.feed is not None and self.feed.holds(oid):
             await self._record([JournalRecord(REMOVED, oid)])
 
-    async def _record(self, records: list[JournalRecord]) -> None:
+    async def _record(self, records: Sequence[Row]) -> None:
         if records:
             await self._journal_call(functools.partial(self._append, records), len(records))
 
-    def _append(self, records: list[JournalRecord]) -> None:
+    def _append(self, records: Sequence[Row]) -> None:
         # This daemon reads them back with everyone else's (its follower, within POLL_S).
         assert self.backend.journal is not None
         self.backend.journal.append(records)

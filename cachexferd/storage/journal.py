@@ -25,6 +25,7 @@ import os
 import struct
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -59,9 +60,14 @@ class JournalRecord(NamedTuple):  # a tuple: hundreds of thousands are made per 
     size: int = 0  # the object's bytes (stored records; 0: not known)
 
 
-# A record as read back: a plain tuple in JournalRecord's order (made by msgpack, in C: every
-# daemon on a store reads every record, so nothing is built per record in Python).
+# A record as a plain tuple in JournalRecord's order: what is read back (made by msgpack, in
+# C: every daemon on a store reads every record, so nothing is built per record in Python).
 Row = tuple[int, bytes, str, bytes, int]
+
+
+def stored_records(names: Sequence[str], tags: Sequence[bytes], size: int) -> list[Row]:
+    """The records of a STORE's objects (``size`` bytes each), with their tags."""
+    return [(STORED, object_id(n), n, t, size) for n, t in zip(names, tags)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +88,7 @@ class Journal(ABC):
     """Appends from any daemon, reads in one order; thread-safe, blocking (I/O threads only)."""
 
     @abstractmethod
-    def append(self, records: list[JournalRecord]) -> None:
+    def append(self, records: Sequence[Row]) -> None:
         """Appends the records, in order, without interleaving with another writer's."""
 
     @abstractmethod
@@ -96,7 +102,7 @@ class Journal(ABC):
         """Releases what the journal holds open."""
 
 
-def frames(records: list[JournalRecord]) -> list[bytes]:
+def frames(records: Sequence[Row]) -> list[bytes]:
     """The records as frames of at most ``FRAME_RECORDS``: one msgpack array of
     ``[op, object id, name, tag, size]`` arrays each (one encoder call per frame)."""
     starts = range(0, len(records), FRAME_RECORDS)
@@ -142,11 +148,11 @@ class FileJournal(Journal):
         self.appended = 0  # records this process appended
         # This object's own appends of stores, by (segment, offset), until read back: taken
         # from memory instead of decoded (a writer reads back everything it writes).
-        self._mine: dict[tuple[int, int], tuple[int, list[JournalRecord]]] = {}
+        self._mine: dict[tuple[int, int], tuple[int, Sequence[Row]]] = {}
 
     # Appending ------------------------------------------------------------------------------
 
-    def append(self, records: list[JournalRecord]) -> None:
+    def append(self, records: Sequence[Row]) -> None:
         if not records:
             return
         data = b"".join(_LEN.pack(len(f)) + f for f in frames(records))
@@ -166,8 +172,8 @@ class FileJournal(Journal):
             if full:
                 self._rotate(segment + 1)
 
-    def _remember(self, segment: int, start: int, length: int, records: list[JournalRecord]) -> None:
-        if any(r[0] != STORED for r in records):
+    def _remember(self, segment: int, start: int, length: int, records: Sequence[Row]) -> None:
+        if set(map(_OP_OF, records)) != {STORED}:
             return  # removals are rare: decoded like another writer's
         if len(self._mine) >= _MINE:  # not read back (reads failing): forget the oldest
             del self._mine[next(iter(self._mine))]
@@ -289,7 +295,7 @@ class RedisJournal(Journal):
     def __init__(self, client: Any, key: str = REDIS_KEY, max_entries: int = REDIS_MAX_ENTRIES) -> None:
         self.client, self.key, self.max_entries = client, key, max_entries
 
-    def append(self, records: list[JournalRecord]) -> None:
+    def append(self, records: Sequence[Row]) -> None:
         if not records:
             return
         pipe = self.client.pipeline(transaction=False)
