@@ -34,7 +34,7 @@ import heapq
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 LOW_WATER = 0.9  # eviction for the capacity frees down to this fraction of it
@@ -167,7 +167,7 @@ class EvictionIndex:
         chain's head, last used at ``mtime``, unless already indexed."""
         self.known_many([(path, size, mtime)])
 
-    def known_many(self, objects: Sequence[tuple[str, int, int]]) -> None:
+    def known_many(self, objects: Iterable[tuple[str, int, int]]) -> None:
         """``known`` for each (path, bytes, mtime), under one hold of the lock."""
         with self._lock:  # the journal brings every object other daemons store: kept short
             entries, heap, children, push, added = self._entries, self._heap, self._children, heapq.heappush, 0

@@ -33,9 +33,11 @@ def idle(daemons: list[DaemonProcess]) -> bool:
     return all(not sum(d.status()["commands"].values()) for d in daemons)
 
 
-def run_mla(path: Path, kind: Kind, root: Path, tp: int, prompts: list[list[int]]) -> tuple[list[list[int]], Any]:
+def run_mla(
+    path: Path, kind: Kind, root: Path, tp: int, prompts: list[list[int]]
+) -> tuple[list[list[int]], Any, list[float]]:
     """The prompts through vLLM with the plug-in at TP=``tp`` (one daemon per rank, one
-    storage directory): (greedy tokens, (objects, bytes) stored)."""
+    storage directory): (greedy tokens, (objects, bytes) stored, STOREs per rank's daemon)."""
     from vllm import LLM
 
     storage = root / f"storage-tp{tp}"
@@ -51,7 +53,7 @@ def run_mla(path: Path, kind: Kind, root: Path, tp: int, prompts: list[list[int]
         finally:
             shutdown(llm)  # its workers let their stores finish first
         wait_for(lambda: idle(daemons), 30, "the daemons to finish every write")
-        return tokens, stored_objects(storage)
+        return tokens, stored_objects(storage), [ops(d, "store") for d in daemons]
     finally:
         for d in daemons:
             d.stop()
@@ -64,11 +66,14 @@ def test_mla_latents_are_stored_once_whatever_the_tp_size(
     path = kind.build(tmp_path_factory.mktemp("mla"))
     prompts = prompts_for(kind, count=2)
     reference = tokens_alone(path, kind, prompts)
-    tokens1, stored1 = run_mla(path, kind, cx_root, 1, prompts)
+    tokens1, stored1, _ = run_mla(path, kind, cx_root, 1, prompts)
     assert tokens1 == reference, "greedy tokens differ from vLLM alone (TP=1)"
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a worker per core (vLLM needs a binding for TP=2)
     reference2 = tokens_alone(path, kind, prompts, tensor_parallel_size=2, distributed_executor_backend="mp")
-    tokens2, stored2 = run_mla(path, kind, cx_root, 2, prompts)
+    tokens2, stored2, stores = run_mla(path, kind, cx_root, 2, prompts)
     assert stored1[0] >= len(prompts) * 2, f"too few objects at TP=1: {stored1}"
     assert stored2 == stored1, f"TP=2 stored (objects, bytes) {stored2}, TP=1 {stored1}"
+    # Written once, not once per rank: rank 1 stores nothing (the same names written twice
+    # would leave the same files, at twice the write bandwidth).
+    assert stores[0] > 0 and stores[1] == 0, f"STOREs per rank: {stores}"
     assert tokens2 == reference2, "greedy tokens differ from vLLM alone (TP=2)"
