@@ -64,5 +64,6 @@ def test_tiny_kv_events_benchmark_measures_what_publishing_adds(tmp_path: Path) 
     assert len(engines["rows"]) == 2 * 2 * 2 and engines["router_batches"] > 0, engines
     on, off = engines["steps"]["events on"], engines["steps"]["events off"]
     assert on["events_s"] > 0 and on["connector_take_s"] >= on["take_events_s"] > 0 and on["publish_s"] > 0, on
+    assert on["events_calls"] > 0 and on["timer_s"] > 0 and on["publisher_thread_s"] > 0, on
     assert off["publish_s"] == 0 and off["connector_take_s"] == 0, off
     assert "of the plug-in's time" in proc.stdout

@@ -70,48 +70,60 @@ def micro(blocks: int, chain: int = 16, host_blocks: int = 2048, rounds: int = 7
             "rounds_on_us": times[True]}  # fmt: skip
 
 
-_PUBLISHING = ("events_s", "take_events_s", "connector_take_s", "publish_s", "publisher_thread_s")
+_PUBLISHING = ("events_s", "events_calls", "take_events_s", "take_events_calls", "connector_take_s",
+               "connector_take_calls", "publish_s", "publish_calls", "publisher_thread_s", "wall_s")  # fmt: skip
 _EVENT_CALLS = ("know", "add", "gone", "host_gone", "take")  # TierEvents: all of the plug-in's event work
 
 
+def timer_cost_s(rounds: int = 5000) -> float:
+    """What timing one call adds to the time measured (two thread CPU clock reads, a call):
+    taken off each timed call's figure."""
+    spent = 0.0
+    for _ in range(rounds):
+        start = time.thread_time()
+        _nothing()
+        spent += time.thread_time() - start
+    return spent / rounds
+
+
+def _nothing() -> None:
+    return None
+
+
+def timed(call: Any, totals: dict[str, float], key: str) -> Any:
+    """``call`` adding its thread CPU time to ``totals[key + "_s"]`` and its calls to
+    ``totals[key + "_calls"]``; a generator's work is done inside (vLLM lists it anyway)."""
+    totals.setdefault(f"{key}_s", 0.0)
+    totals.setdefault(f"{key}_calls", 0.0)
+
+    def wrapper(*args: Any) -> Any:
+        start = time.thread_time()
+        try:
+            out = call(*args)
+            return list(out) if key == "connector_take" else out
+        finally:
+            totals[f"{key}_s"] += time.thread_time() - start
+            totals[f"{key}_calls"] += 1
+
+    return wrapper
+
+
 def time_event_work(totals: dict[str, float]) -> None:
-    """Adds the CPU time of every ``TierEvents`` call (the plug-in's event work, inside the
-    manager's calls) to ``totals["events_s"]``; before the engine is made, so that callbacks
-    bound at its start are timed too."""
-    totals.setdefault("events_s", 0.0)
+    """Times every ``TierEvents`` call (the plug-in's event work, inside the manager's calls)
+    as ``events``; before the engine is made, so that callbacks bound at its start count too."""
     for name in _EVENT_CALLS:
-        call = getattr(TierEvents, name)
-
-        def timed(self: TierEvents, *args: Any, _call: Any = call) -> Any:
-            start = time.thread_time()
-            try:
-                return _call(self, *args)
-            finally:
-                totals["events_s"] += time.thread_time() - start
-
-        setattr(TierEvents, name, timed)
+        setattr(TierEvents, name, timed(getattr(TierEvents, name), totals, "events"))
 
 
 def time_vllm_publishing(llm: Any, totals: dict[str, float]) -> None:
     """vLLM's side of the events, in the same totals: turning the connector's events into
-    its KV events (``connector_take_s``, the manager's ``take_events`` included) and handing
-    each batch to its publisher (``publish_s``); the publisher thread's own CPU is read at
+    its KV events (``connector_take``, the manager's ``take_events`` included) and handing
+    each batch to its publisher (``publish``); the publisher thread's own CPU is read at
     each answer (``publisher_thread_s``)."""
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    for owner, name, key in ((scheduler.connector, "take_events", "connector_take_s"),
-                             (scheduler.kv_event_publisher, "publish", "publish_s")):  # fmt: skip
-        call = getattr(owner, name)
-        totals.setdefault(key, 0.0)
-
-        def timed(*args: Any, _call: Any = call, _key: str = key) -> Any:
-            start = time.thread_time()
-            try:
-                out = _call(*args)
-                return list(out) if _key == "connector_take_s" else out  # a generator: its work is in list()
-            finally:
-                totals[_key] += time.thread_time() - start
-
-        setattr(owner, name, timed)
+    connector, publisher = scheduler.connector, scheduler.kv_event_publisher
+    connector.take_events = timed(connector.take_events, totals, "connector_take")
+    publisher.publish = timed(publisher.publish, totals, "publish")
 
 
 def thread_cpu_s(name: str) -> float:
@@ -129,7 +141,7 @@ def timed_manager(llm: Any) -> dict[str, float]:
     the CPU time of the engine's thread in them (not the wall time: on a shared machine, a
     call preempted by another process would count that process's time)."""
     manager = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler.manager
-    totals = {"seconds": 0.0, "steps": 0.0, "take_events_s": 0.0}
+    totals = {"seconds": 0.0, "steps": 0.0, "take_events_s": 0.0, "take_events_calls": 0.0}
 
     def wrap(name: str) -> None:
         call = getattr(manager, name)
@@ -142,7 +154,9 @@ def timed_manager(llm: Any) -> dict[str, float]:
                 spent = time.thread_time() - start
                 totals["seconds"] += spent
                 totals["steps"] += name == "on_schedule_end"
-                totals["take_events_s"] += spent if name == "take_events" else 0.0
+                if name == "take_events":
+                    totals["take_events_s"] += spent
+                    totals["take_events_calls"] += 1
 
         setattr(manager, name, timed)
 
@@ -180,17 +194,20 @@ def serve_engine(config: dict[str, Any]) -> None:
     if config["events"]:
         more["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
                                     "endpoint": config["events"], "topic": ""}  # fmt: skip
-    events: dict[str, float] = {}
+    events: dict[str, float] = {"timer_s": timer_cost_s()}
     time_event_work(events)
     llm = engine(args, Path(config["model"]), config["daemon"], **more)
     totals = timed_manager(llm)
     if config["events"]:
         time_vllm_publishing(llm, events)
+        idle = thread_cpu_s("zmq-publisher")
+        time.sleep(2.0)  # the publisher thread with nothing to publish
+        events["publisher_idle_rate"] = (thread_cpu_s("zmq-publisher") - idle) / 2.0
 
     def handle(tokens: list[int]) -> dict[str, Any]:
         seconds, cached = ttft(llm, tokens)
         return {"ttft_s": seconds, "cached_tokens": cached, **totals, **events,
-                "publisher_thread_s": thread_cpu_s("zmq-publisher")}  # fmt: skip
+                "publisher_thread_s": thread_cpu_s("zmq-publisher"), "wall_s": time.monotonic()}  # fmt: skip
 
     answer_lines(config["fd"], handle)
 
@@ -227,6 +244,7 @@ def engines_phase(args: argparse.Namespace, model: Path, root: Path) -> dict[str
             block_bytes = int(daemon.status()["host_cache"]["block_bytes"]) or 1
             out["daemon"][name] = {"cpu_s": daemon_cpu_s(daemon) - cpu, "blocks_stored": stored / block_bytes}
             spent = {k: last[name].get(k, 0.0) - first[name].get(k, 0.0) for k in _PUBLISHING}
+            spent.update({k: last[name].get(k, 0.0) for k in ("timer_s", "publisher_idle_rate")})
             out["steps"][name] = {"steps": last[name]["steps"] - first[name]["steps"],
                                   "manager_s": last[name]["seconds"] - first[name]["seconds"], **spent}  # fmt: skip
     finally:
@@ -266,20 +284,29 @@ def summarize(result: dict[str, Any]) -> str:
 
 def publishing_share(on: dict[str, float]) -> str:
     """The events' share of the events-on engine's plug-in step time, measured in that engine:
-    the plug-in's event work, vLLM's translation and hand-off, and its publisher thread
-    (which also publishes vLLM's own device-tier events), over the manager's time without
-    the event work."""
-    steps = max(on["steps"], 1)
-    translate = on["connector_take_s"] - on["take_events_s"]  # vLLM's part of take_events
-    added = on["events_s"] + translate + on["publish_s"] + on["publisher_thread_s"]
+    the plug-in's event work, then vLLM's translation of the plug-in's events and its hand-off
+    to the publisher, over the manager's time without the event work. Each timed call's
+    figure has the timer's own cost taken off. vLLM's publisher thread runs beside the step
+    (it also publishes vLLM's own device-tier events, and polls when idle): reported apart."""
+    steps, timer = max(on["steps"], 1), on["timer_s"]
+
+    def net(key: str) -> float:
+        return max(on[f"{key}_s"] - on[f"{key}_calls"] * timer, 0.0)
+
+    work = net("events")
+    translate = max(net("connector_take") - net("take_events"), 0.0)  # vLLM's part of take_events
+    publish = net("publish")
     base = on["manager_s"] - on["events_s"]
-    per = {k: v / steps * 1e6 for k, v in (("work", on["events_s"]), ("translate", translate),
-                                          ("publish", on["publish_s"]), ("thread", on["publisher_thread_s"]),
+    idle = on["publisher_idle_rate"] * on["wall_s"]
+    per = {k: v / steps * 1e6 for k, v in (("work", work), ("translate", translate), ("publish", publish),
+                                          ("thread", on["publisher_thread_s"]), ("idle", idle),
                                           ("base", base))}  # fmt: skip
     return (
-        f"events on, per step: plug-in without events {per['base']:.0f} µs; events {per['work']:.1f} µs in the "
-        f"plug-in + {per['translate']:.1f} µs vLLM's translation + {per['publish']:.1f} µs hand-off + "
-        f"{per['thread']:.1f} µs publisher thread = {added / max(base, 1e-9) * 100:.2f}% of the plug-in's time"
+        f"events on, per step: the plug-in without events {per['base']:.0f} µs; its event work {per['work']:.1f} µs "
+        f"({work / max(base, 1e-9) * 100:.2f}%), vLLM's translation {per['translate']:.1f} µs and hand-off "
+        f"{per['publish']:.1f} µs (together {(work + translate + publish) / max(base, 1e-9) * 100:.2f}% of the "
+        f"plug-in's time); vLLM's publisher thread {per['thread']:.1f} µs beside the step, of which "
+        f"{per['idle']:.1f} µs its polling while idle ({on['publisher_idle_rate'] * 1e6:.0f} µs/s)"
     )
 
 
