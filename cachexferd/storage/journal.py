@@ -149,6 +149,7 @@ class FileJournal(Journal):
         # This object's own appends of stores, by (segment, offset), until read back: taken
         # from memory instead of decoded (a writer reads back everything it writes).
         self._mine: dict[tuple[int, int], tuple[int, Sequence[Row]]] = {}
+        self._appending = -1  # the file appends go to (-1: not known yet)
 
     # Appending ------------------------------------------------------------------------------
 
@@ -157,10 +158,9 @@ class FileJournal(Journal):
             return
         data = b"".join(_LEN.pack(len(f)) + f for f in frames(records))
         with self._lock:
-            segment = max(self._newest(), 0)
             # Opened per append, never held: a file open for writing would keep the storage
             # file system from being remounted read-only or unmounted.
-            fd = self._open(segment)
+            segment, fd = self._open()
             try:
                 os.write(fd, data)  # one write: whole, after every other writer's (O_APPEND)
                 end = os.lseek(fd, 0, os.SEEK_CUR)  # where this write ended, whoever wrote since
@@ -179,12 +179,20 @@ class FileJournal(Journal):
             del self._mine[next(iter(self._mine))]
         self._mine[(segment, start)] = (length, records)
 
-    def _open(self, segment: int) -> int:
+    def _open(self) -> tuple[int, int]:
+        """The newest file, open for appending. The file last appended to is taken unless the
+        next one exists (another writer rotated) or it is gone: one ``stat`` per append, not
+        a listing of the directory."""
+        if self._appending >= 0 and not os.path.exists(self._path(self._appending + 1)):
+            with contextlib.suppress(FileNotFoundError):
+                return self._appending, os.open(self._path(self._appending), os.O_WRONLY | os.O_APPEND)
+        self._appending = max(self._newest(), 0)
+        path = self._path(self._appending)
         try:
-            return os.open(self._path(segment), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+            return self._appending, os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
         except FileNotFoundError:  # the first append: the directory is made here
             os.makedirs(self.directory, mode=0o750, exist_ok=True)
-            return os.open(self._path(segment), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+            return self._appending, os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
 
     def _rotate(self, nxt: int) -> None:
         with contextlib.suppress(FileExistsError):  # another writer started it first

@@ -51,7 +51,8 @@ class TierEvents:
         """Blocks about to be placed: their keys, for the events that will name them."""
         if self.enabled:
             self._keys.update(zip(digests, keys))
-            if len(self._keys) > self._resident_count() + 2 * _SPARE_KEYS:
+            held = len(self._keys)  # every step calls this: the resident count only when it may matter
+            if held > 2 * _SPARE_KEYS and held > self._resident_count() + 2 * _SPARE_KEYS:
                 self._prune()
 
     def add(self, events: Iterable[OffloadEvent]) -> None:
