@@ -85,6 +85,8 @@ class TierEvents:
         self.gone(Tier.HOST)
 
     def take(self) -> list[OffloadingEvent]:
+        if not self._pending:  # most steps
+            return []
         out, self._pending, self._pending_blocks = list(self._pending), deque(), 0
         return out
 
