@@ -164,12 +164,11 @@ class FileJournal(Journal):
             try:
                 os.write(fd, data)  # one write: whole, after every other writer's (O_APPEND)
                 end = os.lseek(fd, 0, os.SEEK_CUR)  # where this write ended, whoever wrote since
-                full = os.fstat(fd).st_size >= self.segment_bytes
             finally:
                 os.close(fd)
             self.appended += len(records)
             self._remember(segment, end - len(data), len(data), records)
-            if full:
+            if end >= self.segment_bytes:
                 self._rotate(segment + 1)
 
     def _remember(self, segment: int, start: int, length: int, records: Sequence[Row]) -> None:
