@@ -22,7 +22,7 @@ from typing import Any
 
 from ..daemon.server import tune_gc
 from ..daemon.storage_feed import StorageFeed
-from ..storage.file import FileBackend
+from ..storage.file import FileBackend, object_path
 from ..storage.journal import FileJournal, frames, stored_records
 
 _TAG = bytes(36)  # a vLLM offload key: 32-byte block hash + 4-byte group
@@ -47,6 +47,7 @@ class Daemons:
     (a daemon's index holds what it learned before)."""
 
     def __init__(self, root: Path) -> None:
+        self.root = root
         self.journal = FileJournal(str(root / ".journal"))
         self.writer = StorageFeed(self.journal, "", FileBackend(root).learn)
         self.follower = StorageFeed(FileJournal(str(root / ".journal")), "", FileBackend(root).learn)
@@ -54,10 +55,13 @@ class Daemons:
 
 def journal_cpu(daemons: Daemons, names: list[str], per_store: int) -> tuple[float, float]:
     """(writer, follower) CPU seconds for ``names`` stored in STOREs of ``per_store``. The
-    writer makes each STORE's records (object ids), appends them and reads them back into its
-    view, as a daemon's STORE and follower do; the follower reads them, indexes the objects
-    for its eviction and updates its view."""
+    writer makes each STORE's records, appends them and reads them back into its view, as a
+    daemon's STORE and follower do (the objects' digests are those the STORE computed to
+    place them); the follower reads them, indexes the objects for its eviction and updates
+    its view."""
     journal, writer, follower = daemons.journal, daemons.writer, daemons.follower
+    for name in names:  # a STORE has placed its objects (their digests) before it records them
+        object_path(str(daemons.root), name)
     start = time.process_time()
     for i in range(0, len(names), per_store):
         part = names[i : i + per_store]

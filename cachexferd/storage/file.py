@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import itertools
 import logging
 import operator
@@ -53,7 +52,7 @@ from .base import (
     StorageUnavailable,
 )
 from .eviction import EvictionIndex
-from .journal import REMOVED, STORED, FileJournal, JournalRecord, Row
+from .journal import REMOVED, STORED, FileJournal, JournalRecord, Row, object_id
 from .objects import HEADER_BYTES
 
 if TYPE_CHECKING:
@@ -76,7 +75,7 @@ _OP_OF, _ID_OF, _SIZE_OF = operator.itemgetter(0), operator.itemgetter(1), opera
 
 def object_path(root: str, name: str) -> str:
     """Where ``name`` lives under ``root`` (plain strings: pathlib costs microseconds per object)."""
-    digest = hashlib.blake2b(name.encode(), digest_size=16).hexdigest()
+    digest = object_id(name).hex()
     return f"{root}/{digest[:2]}/{digest[2:4]}/{digest}"
 
 

@@ -18,6 +18,7 @@ Positions are opaque increasing integers: a reader passes back the position it r
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import operator
@@ -45,10 +46,14 @@ REDIS_KEY = "cachexferd:journal"  # cannot be an object's name: those start with
 REDIS_MAX_ENTRIES = 10_000  # appends (one per command) kept in the stream
 _SEQ_BITS = 20  # position = milliseconds << 20 | sequence number within the millisecond
 _MINE = 4096  # own appends remembered until read back
+_RECENT_NAMES = 1 << 16  # object digests kept (a few MB)
 
 
+@functools.lru_cache(maxsize=_RECENT_NAMES)
 def object_id(name: str) -> bytes:
-    """The 16-byte digest that names an object in the journal."""
+    """The 16-byte BLAKE2b digest of an object's name: its file's name in the file backend,
+    its name in the journal. Kept for recent names: one STORE asks for each object's several
+    times (room, write, chain link, journal), and hashing costs about a microsecond."""
     return hashlib.blake2b(name.encode(), digest_size=16).digest()
 
 
