@@ -30,6 +30,10 @@ from .rig import clear_host, engine_args, metric, ops, prompt, start_daemon, tra
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 HOST = "16MiB"  # the daemon's host cache: every prompt's blocks fit
+# nats: a greedy token's logprob against vLLM alone's. A correct load gives vLLM alone's
+# logprobs exactly (as does vLLM's own prefix cache); at TP=2, blocks loaded into the wrong
+# slots on one rank moved them by 0.06 to 0.14 per prompt without changing a greedy token.
+LOGPROB_TOLERANCE = 0.01
 
 
 @dataclass
@@ -37,6 +41,7 @@ class Case:
     kind: Kind
     prompts: list[list[int]]
     reference: list[list[int]]  # vLLM alone's greedy tokens per prompt
+    logprobs: list[list[float]]  # vLLM alone's logprob of each of them
     daemon: DaemonProcess
     llm: Any
 
@@ -50,13 +55,32 @@ def args_for(path: Path, kind: Kind, **more: Any) -> dict[str, Any]:
 
 
 def tokens_alone(path: Path, kind: Kind, prompts: list[list[int]], **more: Any) -> list[list[int]]:
-    from vllm import LLM
+    return alone(path, kind, prompts, 0.0, **more)[0]
+
+
+def alone(
+    path: Path, kind: Kind, prompts: list[list[int]], margin: float, **more: Any
+) -> tuple[list[list[int]], list[list[float]]]:
+    """vLLM alone's greedy tokens and their logprobs per prompt (a fresh engine, each prompt
+    once), every token checked to lead the runner-up by ``margin``."""
+    from vllm import LLM, SamplingParams
 
     llm = LLM(**args_for(path, kind, **more))
     try:
-        return [generate(llm, p)[0] for p in prompts]
+        params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
+        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0] for p in prompts]
     finally:
         shutdown(llm)
+    tokens, logprobs = [], []
+    for i, out in enumerate(outs):
+        tokens.append(list(out.token_ids))
+        logprobs.append([lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)])
+        top2 = [sorted((x.logprob for x in lp.values()), reverse=True)[:2] for lp in out.logprobs]
+        margins = [a - b for a, b in top2]
+        assert min(margins) >= margin, (
+            f"prompt {i}: vLLM alone's greedy tokens lead the runner-up by {margins}: pick prompts without near ties"
+        )
+    return tokens, logprobs
 
 
 @pytest.fixture(scope="module", params=["sliding_window", "gdn"])
@@ -66,20 +90,23 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     kind = KINDS[request.param]
     path = kind.build(tmp_path_factory.mktemp(request.param))
     prompts = prompts_for(kind)
-    reference = tokens_alone(path, kind, prompts)
+    reference, logprobs = alone(path, kind, prompts, 0.0)
     daemon = start_daemon(cx_root, request.param, cx_root / f"storage-{request.param}", capacity=HOST)
     config = transfer_config(daemon.endpoint, storage="off", retry_interval_s=0.25)
     llm = LLM(**args_for(path, kind), kv_transfer_config=config)
-    yield Case(kind, prompts, reference, daemon, llm)
+    yield Case(kind, prompts, reference, logprobs, daemon, llm)
     shutdown(llm)
     daemon.stop()
 
 
 def run_all(case: Case) -> list[tuple[list[int], int]]:
-    """Every prompt once: (greedy tokens, cached prompt tokens), tokens checked against vLLM alone."""
+    """Every prompt once: (greedy tokens, cached prompt tokens), tokens and their logprobs
+    checked against vLLM alone."""
     outs = [generate(case.llm, p) for p in case.prompts]
-    for i, (out, want) in enumerate(zip(outs, case.reference)):
-        assert out[0] == want, f"prompt {i}: greedy tokens differ from vLLM alone"
+    for i, ((tokens, logprobs, cached), want) in enumerate(zip(outs, case.reference)):
+        assert tokens == want, f"prompt {i} ({cached} tokens cached): greedy tokens differ from vLLM alone"
+        off = max(abs(a - b) for a, b in zip(logprobs, case.logprobs[i]))
+        assert off <= LOGPROB_TOLERANCE, f"prompt {i} ({cached} tokens cached): logprobs {off:.4f} from vLLM alone's"
     return [(out[0], out[2]) for out in outs]
 
 

@@ -32,7 +32,7 @@ from cachexferd.launch import DaemonProcess  # noqa: E402
 
 from .engines import generate, reset_gpu_cache, shutdown  # noqa: E402
 from .rig import clear_host, ops, prompt, start_daemon, transfer_config, wait_for  # noqa: E402
-from .test_models import HOST, args_for, prompts_for  # noqa: E402
+from .test_models import HOST, LOGPROB_TOLERANCE, alone, args_for, prompts_for  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # a worker per core (vLLM needs a binding for TP=2)
@@ -46,10 +46,6 @@ KV_BYTES = {"sliding_window": KINDS["sliding_window"].kv_bytes, "gdn": 16 * 9830
 # in vLLM alone at TP=2 (the fixture checks it); other kinds take test_models' prompts.
 SEEDS = {"gdn": (313, 327, 337)}
 MARGIN = 0.125  # nats: several bf16 steps of these logits (1/64 to 1/32 apart)
-# nats: a greedy token's logprob against vLLM alone's. A correct load gives vLLM alone's
-# logprobs exactly (as does vLLM's own prefix cache); blocks loaded into the wrong slots on
-# one rank moved them by 0.06 to 0.14 per prompt without changing a single greedy token.
-LOGPROB_TOLERANCE = 0.01
 
 
 @dataclass
@@ -73,31 +69,6 @@ def bound() -> Iterator[None]:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-
-
-def alone(
-    path: Path, kind: Kind, prompts: list[list[int]], margin: float, **more: Any
-) -> tuple[list[list[int]], list[list[float]]]:
-    """vLLM alone's greedy tokens and their logprobs per prompt (a fresh engine, each prompt
-    once), every token checked to lead the runner-up by ``margin``."""
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(**args_for(path, kind, **more))
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
-        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0] for p in prompts]
-    finally:
-        shutdown(llm)
-    tokens, logprobs = [], []
-    for i, out in enumerate(outs):
-        tokens.append(list(out.token_ids))
-        logprobs.append([lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)])
-        top2 = [sorted((x.logprob for x in lp.values()), reverse=True)[:2] for lp in out.logprobs]
-        margins = [a - b for a, b in top2]
-        assert min(margins) >= margin, (
-            f"prompt {i}: vLLM alone's greedy tokens lead the runner-up by {margins}: pick prompts without near ties"
-        )
-    return tokens, logprobs
 
 
 @pytest.fixture(scope="module", params=["sliding_window", "gdn"])
