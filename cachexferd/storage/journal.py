@@ -154,6 +154,7 @@ class FileJournal(Journal):
         # This object's own appends of stores, by (segment, offset), until read back: taken
         # from memory instead of decoded (a writer reads back everything it writes).
         self._mine: dict[tuple[int, int], tuple[int, Sequence[Row]]] = {}
+        self._mine_lock = threading.Lock()  # appends add, reads take: on different threads
         self._appending = -1  # the file appends go to (-1: not known yet)
 
     # Appending ------------------------------------------------------------------------------
@@ -179,9 +180,10 @@ class FileJournal(Journal):
     def _remember(self, segment: int, start: int, length: int, records: Sequence[Row]) -> None:
         if set(map(_OP_OF, records)) != {STORED}:
             return  # removals are rare: decoded like another writer's
-        if len(self._mine) >= _MINE:  # not read back (reads failing): forget the oldest
-            del self._mine[next(iter(self._mine))]
-        self._mine[(segment, start)] = (length, records)
+        with self._mine_lock:
+            if len(self._mine) >= _MINE:  # not read back (reads failing): forget the oldest
+                del self._mine[next(iter(self._mine))]
+            self._mine[(segment, start)] = (length, records)
 
     def _open(self) -> tuple[int, int]:
         """The newest file, open for appending. The file last appended to is taken unless the
@@ -233,11 +235,12 @@ class FileJournal(Journal):
 
     def _forget_mine_before(self, place: tuple[int, int]) -> None:
         """Drops own appends a read has passed (read from the file: it raced with the append)."""
-        while self._mine:
-            first = next(iter(self._mine))  # appends are remembered in the order they landed
-            if first >= place:
-                return
-            self._mine.pop(first, None)
+        with self._mine_lock:
+            while self._mine:
+                first = next(iter(self._mine))  # appends are remembered in the order they landed
+                if first >= place:
+                    return
+                del self._mine[first]
 
     def _read_segment(self, segment: int, offset: int, limit: int, out: list[Row], others: list[Row]) -> int:
         try:
@@ -256,7 +259,8 @@ class FileJournal(Journal):
                 log.warning("storage journal %s is damaged at byte %d; reading on from the next file",
                             self._path(segment), offset + at)  # fmt: skip
                 return 1 << (_SEGMENT_SHIFT - 1)  # past any offset: this file is finished
-            mine = self._mine.pop((segment, offset + at), None)
+            with self._mine_lock:
+                mine = self._mine.pop((segment, offset + at), None)
             if mine is not None and at + mine[0] <= len(data):
                 out += mine[1]
                 at += mine[0]
