@@ -114,14 +114,14 @@ def frames(records: Sequence[Row]) -> list[bytes]:
     return [msgpack.packb(records[i : i + FRAME_RECORDS], use_bin_type=True) for i in starts]
 
 
-_ROW = (int, bytes, str, bytes, int)
 _OP_OF = operator.itemgetter(0)
+_COLUMNS = [(operator.itemgetter(i), kind) for i, kind in enumerate((bytes, str, bytes, int), start=1)]
 
 
 def decode(body: bytes) -> tuple[Row, ...]:
     """A frame's records; none when the bytes are not a frame (a writer of a later format, damage).
-    Every row's shape and op are checked in C; the types of the first row only (a frame is
-    written whole, by one encoder call)."""
+    Every row's shape, op and column types are checked, column by column in C: a row the
+    daemon cannot use would otherwise stop its reading at that frame."""
     try:
         rows = msgpack.unpackb(body, use_list=False)
         if type(rows) is not tuple or not rows or set(map(len, rows)) != {5}:
@@ -130,7 +130,7 @@ def decode(body: bytes) -> tuple[Row, ...]:
             return ()
     except (ValueError, TypeError, msgpack.UnpackException):  # not msgpack, or a row not an array
         return ()
-    if not all(type(v) is t for v, t in zip(rows[0], _ROW)):
+    if any(set(map(type, map(column, rows))) != {kind} for column, kind in _COLUMNS):
         return ()
     return rows
 

@@ -156,7 +156,8 @@ def test_frames_round_trip_and_split() -> None:
     assert [r for p in parts for r in decode(p)] == records
     assert decode(b"\xc1") == () and decode(b"\x91\x01") == ()
     good = [0, bytes(16), "w0/a", b"", 1]
-    for bad in ([[*good[:4]]], [[2, *good[1:]]], [[0, "not bytes", "w0/a", b"", 1]], [good, 7], {"r": 1}):
+    later_bad = [good, [0, bytes(16), b"not str", b"", 1]]  # a bad row after a good one
+    for bad in ([[*good[:4]]], [[2, *good[1:]]], [[0, "not bytes", "w0/a", b"", 1]], [good, 7], {"r": 1}, later_bad):
         assert decode(msgpack.packb(bad, use_bin_type=True)) == (), bad
     assert decode(msgpack.packb([good], use_bin_type=True)) == (tuple(good),)
 
