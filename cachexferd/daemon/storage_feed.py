@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import operator
 import random
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..storage.journal import OP_NAMES, REMOVED, STORED, Journal, Row
+from ..storage.journal import ID_OF, OP_NAMES, OP_OF, REMOVED, STORED, Journal, Row
 from ..storage.objects import parse_object_name
 
 log = logging.getLogger(__name__)
@@ -37,7 +36,6 @@ _SNAPSHOT = 1 << 62
 _INDEX_BITS = 32
 _NUMBER_BITS = 42
 _NUMBER_MASK = (1 << _NUMBER_BITS) - 1
-_OP_OF, _ID_OF = operator.itemgetter(0), operator.itemgetter(1)
 
 
 Event = list[Any]  # [number, op, version, key, tag] on the wire
@@ -123,8 +121,8 @@ class StorageFeed:
         when a client asks): every daemon on the store reads every record, so this is the
         journal's cost per object; a batch of stores alone (the usual) is applied in C."""
         objects, ring = self._objects, self._ring
-        if set(map(_OP_OF, records)) == {STORED}:
-            objects.update(zip(map(_ID_OF, records), records))
+        if set(map(OP_OF, records)) == {STORED}:
+            objects.update(zip(map(ID_OF, records), records))
             ring.extend(records)
             self._number += len(records)
         else:

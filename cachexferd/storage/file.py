@@ -32,7 +32,6 @@ import contextlib
 import errno
 import itertools
 import logging
-import operator
 import os
 import threading
 import time
@@ -52,7 +51,7 @@ from .base import (
     StorageUnavailable,
 )
 from .eviction import EvictionIndex
-from .journal import REMOVED, STORED, FileJournal, JournalRecord, Row, object_id
+from .journal import ID_OF, OP_OF, REMOVED, SIZE_OF, STORED, FileJournal, JournalRecord, Row, object_id
 from .objects import HEADER_BYTES
 
 if TYPE_CHECKING:
@@ -68,9 +67,6 @@ _OBJECT_MODE = 0o640
 _DIR_MODE = 0o750
 _RESCAN_S = 600.0  # how often the index re-reads the directory (other writers, drift)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-_OP_OF, _ID_OF, _SIZE_OF = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(4)  # of a Row
 
 
 def object_path(root: str, name: str) -> str:
@@ -152,9 +148,9 @@ class FileBackend(StorageBackend):
         """Indexes the objects other daemons on the directory store as soon as the journal
         says so (not at the next scan), so capacity and eviction count them; forgets removed ones."""
         now, root, index = time.time_ns(), self._root, self.index
-        sizes = list(map(_SIZE_OF, records))
-        if set(map(_OP_OF, records)) == {STORED} and 0 not in sizes:  # the usual batch: stores only
-            paths = [f"{root}/{h[:2]}/{h[2:4]}/{h}" for h in map(bytes.hex, map(_ID_OF, records))]
+        sizes = list(map(SIZE_OF, records))
+        if set(map(OP_OF, records)) == {STORED} and 0 not in sizes:  # the usual batch: stores only
+            paths = [f"{root}/{h[:2]}/{h[2:4]}/{h}" for h in map(bytes.hex, map(ID_OF, records))]
             index.known_many(zip(paths, sizes, itertools.repeat(now)))
             return
         new: list[tuple[str, int, int]] = []

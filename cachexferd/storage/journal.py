@@ -114,7 +114,8 @@ def frames(records: Sequence[Row]) -> list[bytes]:
     return [msgpack.packb(records[i : i + FRAME_RECORDS], use_bin_type=True) for i in starts]
 
 
-_OP_OF = operator.itemgetter(0)
+# A Row's fields, read in C (the hot loops over every record use these)
+OP_OF, ID_OF, SIZE_OF = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(4)
 _COLUMNS = [(operator.itemgetter(i), kind) for i, kind in enumerate((bytes, str, bytes, int), start=1)]
 
 
@@ -126,7 +127,7 @@ def decode(body: bytes) -> tuple[Row, ...]:
         rows = msgpack.unpackb(body, use_list=False)
         if type(rows) is not tuple or not rows or set(map(len, rows)) != {5}:
             return ()
-        if not set(map(_OP_OF, rows)) <= {STORED, REMOVED}:
+        if not set(map(OP_OF, rows)) <= {STORED, REMOVED}:
             return ()
     except (ValueError, TypeError, msgpack.UnpackException):  # not msgpack, or a row not an array
         return ()
@@ -178,7 +179,7 @@ class FileJournal(Journal):
                 self._rotate(segment + 1)
 
     def _remember(self, segment: int, start: int, length: int, records: Sequence[Row]) -> None:
-        if set(map(_OP_OF, records)) != {STORED}:
+        if set(map(OP_OF, records)) != {STORED}:
             return  # removals are rare: decoded like another writer's
         with self._mine_lock:
             if len(self._mine) >= _MINE:  # not read back (reads failing): forget the oldest
