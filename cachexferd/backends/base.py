@@ -8,6 +8,7 @@ loop can await it; implementations do the byte moving off the loop (threads, CUD
 from __future__ import annotations
 
 import asyncio
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from enum import StrEnum
@@ -28,14 +29,19 @@ class CancelToken:
 
     One is made per command, so it is three plain attributes, not a threading.Event:
     workers only ever read ``cancelled``, and ``cancel`` writes the code and detail before
-    the flag, so a worker that sees the flag (an atomic attribute read) sees both."""
+    the flag, so a worker that sees the flag (an atomic attribute read) sees both.
 
-    __slots__ = ("cancelled", "code", "detail")
+    ``not_after`` (wall clock, protocol 1.5): a copy into device blocks must not start after
+    it (its client may have given up and reused the blocks); backends check it when the
+    copy starts (``late``)."""
+
+    __slots__ = ("cancelled", "code", "detail", "not_after")
 
     def __init__(self) -> None:
         self.cancelled = False
         self.code = ErrorCode.OK
         self.detail = ""
+        self.not_after = math.inf
 
     def cancel(self, code: ErrorCode, detail: str) -> None:
         if not self.cancelled:
@@ -45,6 +51,23 @@ class CancelToken:
     def check(self) -> None:
         if self.cancelled:
             raise ProtocolError(self.code, self.detail)
+
+    def refusal(self, now: float) -> ProtocolError | None:
+        """The error of a copy starting at ``now`` (wall clock): cancelled, or past its not_after."""
+        if self.cancelled:
+            return ProtocolError(self.code, self.detail)
+        if now > self.not_after:
+            return late(now, self.not_after)
+        return None
+
+
+def late(now: float, not_after: float) -> ProtocolError:
+    return ProtocolError(ErrorCode.EXPIRED, f"copy not started by its not_after time ({now - not_after:.3f}s late)")
+
+
+class InlineBusy(Exception):
+    """``swap_now`` cannot run without waiting (the device fence is held): hand the batch to
+    ``swap_many`` instead."""
 
 
 class AttachError(Exception):
@@ -71,6 +94,10 @@ class DeviceCache(ABC):
     # ``swap_now``: handing a few small blocks to a worker thread costs more CPU (a wake-up,
     # a future, a GIL hand-off: tens of microseconds) than copying them. 0: never.
     inline_bytes: int = 0
+    # How a client can tell that no copy into its device blocks is running (protocol 1.5,
+    # ATTACH result ``device_fence``): "flock" (device writes hold a shared flock on the
+    # device segment), or None.
+    fence: str | None = None
 
     @abstractmethod
     async def swap(

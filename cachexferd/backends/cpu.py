@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import gc
 import itertools
 import logging
 import os
 import re
 import stat
+import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -42,7 +45,16 @@ import torch
 from ..host_cache import HostGeometry, HostPool
 from ..protocol import ErrorCode, KVLayout, ProtocolError
 from ..security import Requester, SegmentPolicy
-from .base import AttachError, Backend, BatchedDeviceCache, CancelToken, DeviceCache, Direction, SwapRequest
+from .base import (
+    AttachError,
+    Backend,
+    BatchedDeviceCache,
+    CancelToken,
+    DeviceCache,
+    Direction,
+    InlineBusy,
+    SwapRequest,
+)
 from .plan import Run, coalesce, even_groups, shard_tagged
 
 if TYPE_CHECKING:
@@ -149,7 +161,17 @@ def validate_offsets(offsets: Any, layout: KVLayout, segment_bytes: int) -> list
     return offsets
 
 
-def open_segment(name: str, policy: SegmentPolicy) -> tuple[torch.UntypedStorage, int, SegmentIdentity]:
+class Segment(NamedTuple):
+    """A mapped device segment, and the descriptor it stays open by: the daemon's own open
+    file description of it, which the device fence (``WriteFence``) locks."""
+
+    storage: torch.UntypedStorage
+    size: int
+    identity: SegmentIdentity | None  # None: mapped by descriptor, no name to remove
+    fd: int
+
+
+def open_segment(name: str, policy: SegmentPolicy) -> Segment:
     """Maps /dev/shm/<name> shared; refuses to create or grow it, and (see _open_checked) to
     map anything but a regular file there that ``policy`` allows."""
     fd, st = _open_checked(name, policy)
@@ -161,21 +183,19 @@ def open_segment(name: str, policy: SegmentPolicy) -> tuple[torch.UntypedStorage
             torch.UntypedStorage,
             torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=st.st_size),
         )
-    finally:
+    except BaseException:
         os.close(fd)
-    return storage, st.st_size, SegmentIdentity.of(st)
+        raise
+    return Segment(storage, st.st_size, SegmentIdentity.of(st), fd)
 
 
-def open_device_segment(
-    name: str | None, fd: int | None, requester: Requester
-) -> tuple[torch.UntypedStorage, int, SegmentIdentity | None]:
+def open_device_segment(name: str | None, fd: int | None, requester: Requester) -> Segment:
     """The segment of an attach: the runner's open descriptor ``fd`` when the map names one
     (protocol 1.2) and the daemon may open it, else /dev/shm/<name>. No identity for a
     segment mapped by descriptor: it has no name to remove when its runner dies."""
     if fd is not None:
         try:
-            storage, size = _open_runner_fd(fd, requester)
-            return storage, size, None
+            return _open_runner_fd(fd, requester)
         except AttachError:
             if name is None:
                 raise
@@ -183,7 +203,7 @@ def open_device_segment(
     return open_segment(name, requester.segments)  # e.g. a daemon of another user
 
 
-def _open_runner_fd(fd: int, requester: Requester) -> tuple[torch.UntypedStorage, int]:
+def _open_runner_fd(fd: int, requester: Requester) -> Segment:
     """Maps the file the attaching process holds open as ``fd`` (/proc/<pid>/fd/<fd>, pid
     from the connection's kernel credentials): a file with no name, which no kill can leave
     behind. The kernel lets only a process of the same user (or root) open it."""
@@ -201,9 +221,12 @@ def _open_runner_fd(fd: int, requester: Requester) -> tuple[torch.UntypedStorage
         if st.st_size == 0:
             raise AttachError(f"the attaching process's fd {fd} is empty")
         storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{opened}", shared=True, nbytes=st.st_size)
-    finally:
+    except BaseException:
         os.close(opened)
-    return cast(torch.UntypedStorage, storage), st.st_size
+        raise
+    # /proc/<pid>/fd/<fd> opens the file anew: our own open file description, apart from the
+    # runner's (a flock on one conflicts with a flock on the other).
+    return Segment(cast(torch.UntypedStorage, storage), st.st_size, None, opened)
 
 
 def _open_checked(name: str, policy: SegmentPolicy) -> tuple[int, os.stat_result]:
@@ -290,20 +313,70 @@ def _empty_segment(name: str, identity: SegmentIdentity, dir_fd: int, shm_dir: s
     return "emptied"
 
 
+class WriteFence:
+    """Copies into the runner's device blocks hold a shared flock on the daemon's open file
+    description of the device segment (protocol 1.5, docs/protocol.md §7.14), and check
+    their ``not_after`` once they hold it. A client that gives up on a copy after its
+    ``not_after`` takes an exclusive flock without waiting on its own open file description:
+    if it gets it, no copy into its blocks is running and none can start (it would be too
+    late), so it may reuse the blocks. The kernel drops the lock of a daemon that dies.
+
+    The copy threads share one lock: the first to enter takes it, the last to leave drops it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._mutex = threading.Lock()
+        self._holders = 0
+
+    def enter(self, wait: bool = True) -> bool:
+        """Holds the fence; False (without waiting) when ``wait`` is off and a client holds it."""
+        if not self._mutex.acquire(blocking=wait):
+            return False
+        try:
+            if self._holders == 0:
+                try:
+                    fcntl.flock(self.fd, fcntl.LOCK_SH | (0 if wait else fcntl.LOCK_NB))
+                except BlockingIOError:
+                    return False
+            self._holders += 1
+            return True
+        finally:
+            self._mutex.release()
+
+    def leave(self) -> None:
+        with self._mutex:
+            self._holders -= 1
+            if self._holders == 0:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        with self._mutex:
+            if self.fd >= 0:
+                os.close(self.fd)  # drops the lock too
+                self.fd = -1
+
+
 class CpuDeviceCache(BatchedDeviceCache):
     inline_bytes = _INLINE_BYTES
+    fence = "flock"
 
     def __init__(
         self, backend: CpuBackend, layout: KVLayout, device: dict[str, Any], host: torch.Tensor, requester: Requester
     ) -> None:
         name, fd, wire_offsets = decode_device(device)
-        storage, size, self.identity = open_device_segment(name, fd, requester)
-        self.layout = layout
-        self.segment = name if name is not None and self.identity is not None else ""
-        offsets = validate_offsets(wire_offsets, layout, size)
-        self._backend = backend
-        self._storage: torch.UntypedStorage | None = storage
-        self.groups = self._make_groups(storage, offsets, host)
+        segment = open_device_segment(name, fd, requester)
+        self.identity = segment.identity
+        self.fence_lock = WriteFence(segment.fd)
+        try:
+            self.layout = layout
+            self.segment = name if name is not None and self.identity is not None else ""
+            offsets = validate_offsets(wire_offsets, layout, segment.size)
+            self._backend = backend
+            self._storage: torch.UntypedStorage | None = segment.storage
+            self.groups = self._make_groups(segment.storage, offsets, host)
+        except BaseException:
+            self.fence_lock.close()
+            raise
 
     def _make_groups(self, storage: torch.UntypedStorage, offsets: list[int], host: torch.Tensor) -> list[TensorGroup]:
         base = torch.empty(0, dtype=torch.uint8).set_(storage)
@@ -340,13 +413,19 @@ class CpuDeviceCache(BatchedDeviceCache):
 
     def swap_now(self, direction: Direction, requests: Sequence[SwapRequest]) -> list[BaseException | None]:
         to_host = direction is Direction.D2H
-        pairs = _block_pairs(requests, to_host)
-        if pairs is not None:  # the common batch: straight to one copy per group
-            for group in self.groups:
-                _copy_pairs(group, to_host, *pairs)
-            return [None] * len(requests)
-        items = [plan_item(i, r.device_ids, r.host_ids) for i, r in enumerate(requests)]
-        failed = self._copy_shard(direction, items, [r.cancel for r in requests])
+        if not to_host and not self.fence_lock.enter(wait=False):  # never wait on the loop thread
+            raise InlineBusy("a client holds the device fence")
+        try:
+            pairs = _block_pairs(requests, to_host)
+            if pairs is not None:  # the common batch: straight to one copy per group
+                for group in self.groups:
+                    _copy_pairs(group, to_host, *pairs)
+                return [None] * len(requests)
+            items = [plan_item(i, r.device_ids, r.host_ids) for i, r in enumerate(requests)]
+            failed = self._copy_items(direction, items, [r.cancel for r in requests])
+        finally:
+            if not to_host:
+                self.fence_lock.leave()
         if not failed:
             return [None] * len(requests)
         return [failed.get(i) for i in range(len(requests))]
@@ -354,20 +433,34 @@ class CpuDeviceCache(BatchedDeviceCache):
     def _copy_shard(
         self, direction: Direction, items: list[CopyItem], cancels: list[CancelToken]
     ) -> dict[int, ProtocolError]:
-        """Runs on a worker thread (or, for a small batch, the loop thread); torch and numpy
-        release the GIL inside each copy. Returns the commands that were cancelled, with
-        fresh errors: a raised error's traceback would hold this frame, whose views keep the
-        segment mapped after detach until the GC ran."""
+        """Runs on a worker thread; copies into device blocks inside the device fence."""
+        if direction is Direction.D2H:
+            return self._copy_items(direction, items, cancels)
+        self.fence_lock.enter()
+        try:
+            return self._copy_items(direction, items, cancels)
+        finally:
+            self.fence_lock.leave()
+
+    def _copy_items(
+        self, direction: Direction, items: list[CopyItem], cancels: list[CancelToken]
+    ) -> dict[int, ProtocolError]:
+        """Torch and numpy release the GIL inside each copy. Returns the commands that were
+        cancelled (or too late to start), with fresh errors: a raised error's traceback would
+        hold this frame, whose views keep the segment mapped after detach until the GC ran."""
         failed: dict[int, ProtocolError] = {}
         to_host = direction is Direction.D2H
+        now = time.time()  # after entering the fence: a client that gave up before sees it refused
         for group in self.groups:
             src_view, dst_view = (group.device, group.host) if to_host else (group.host, group.device)
             singles_src: list[int] = []
             singles_dst: list[int] = []
             for index, single_device, single_host, runs in items:
                 cancel = cancels[index]
-                if cancel.cancelled:
-                    failed.setdefault(index, ProtocolError(cancel.code, cancel.detail))
+                if cancel.cancelled or now > cancel.not_after:
+                    refusal = cancel.refusal(now)
+                    assert refusal is not None
+                    failed.setdefault(index, refusal)
                     continue
                 for run in runs:
                     s, d = (run.device, run.host) if to_host else (run.host, run.device)
@@ -391,6 +484,7 @@ class CpuDeviceCache(BatchedDeviceCache):
         self.groups = []
         self._storage = None
         gc.collect()
+        self.fence_lock.close()
 
     def orphaned(self) -> None:
         # The runner unlinks its segment when it closes its cache; one killed with SIGKILL
@@ -438,8 +532,9 @@ def _block_pairs(requests: Sequence[SwapRequest], to_host: bool) -> tuple[list[i
     gains nothing from finding runs of consecutive blocks: one indexed copy takes them all."""
     device: list[int] = []
     host: list[int] = []
+    now = time.time()
     for device_ids, host_ids, cancel in requests:
-        if cancel.cancelled:
+        if cancel.cancelled or now > cancel.not_after:
             return None
         device += device_ids
         host += host_ids

@@ -125,6 +125,10 @@ class ShmKVCache(KVTensors):
     def device_handle(self) -> dict[str, Any]:
         return {"kind": "shm", "name": self.name, "offsets": list(self.offsets)}
 
+    def fence_path(self) -> str:
+        """What a DeviceFence opens (client/fence.py)."""
+        return self.path
+
     def close(self) -> None:
         self.tensors = []
         self._unlink()

@@ -137,6 +137,7 @@ class DeviceSlot:
             "host_blocks": geometry.num_blocks,
             "host_block_bytes": geometry.block_bytes,
             "fingerprint": layout.fingerprint(),
+            "device_fence": self.cache.fence,  # 1.5: how a client knows no copy into its blocks runs
         }
 
     def detach(self, reason: str, drain_timeout_s: float) -> Awaitable[dict[str, Any]]:

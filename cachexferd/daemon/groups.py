@@ -23,6 +23,7 @@ path, which decides every outcome, error code and detail as always.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -161,8 +162,11 @@ def _group(
 ) -> SwapGroup:  # fmt: skip
     device_ids, host_ids = ids
     copy = _new_tuple(Copy, (cache, direction, device_ids, host_ids))
-    access = swap_access(device_ids, host_ids, direction is Direction.D2H)
-    job: Job = _new_tuple(Job, (access, None, copy, succeeded))
+    to_host = direction is Direction.D2H
+    access = swap_access(device_ids, host_ids, to_host)
+    # Swaps never start after their not_after (1.5): the group's copy, after the earliest.
+    limits = [cmd.not_after for cmd in cmds if cmd.not_after is not None]  # type: ignore[attr-defined]
+    job: Job = _new_tuple(Job, (access, None, copy, succeeded, min(limits, default=math.inf)))
     return SwapGroup(identity, cmds, received, job, cache.layout.host_block_bytes)
 
 

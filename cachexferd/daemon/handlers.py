@@ -9,6 +9,7 @@ event. Any ProtocolError raised here becomes the command's error outcome.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -189,7 +190,10 @@ class Handlers:
             self.host.check_current(host_ids, owner, keys)
         # Positional tuples: a NamedTuple's keyword constructor costs more than the rest of this.
         copy = _new_tuple(Copy, (cache, direction, device_ids, host_ids))
-        job: Job = _new_tuple(Job, (swap_access(device_ids, host_ids, to_host), None, copy, succeeded))
+        # Never started after its not_after (1.5): the client may have given up and reused
+        # the device blocks since.
+        limit = math.inf if not_after is None else not_after
+        job: Job = _new_tuple(Job, (swap_access(device_ids, host_ids, to_host), None, copy, succeeded, limit))
         return job
 
     def handle_clear_host(self, cmd: ClearHost) -> Job:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..backends.base import CancelToken, DeviceCache, Direction, SwapRequest
+from ..backends.base import CancelToken, DeviceCache, Direction, InlineBusy, SwapRequest
 from ..protocol import ErrorCode, ProtocolError
 from .ordering import Access, BlockOrdering, Entry
 from .request import Decided, Request
@@ -68,6 +69,9 @@ class Job(NamedTuple):
     copy: Copy | None = None  # swaps: batched with the other ready copies
     # A copy's success, told before its outcome goes out (a SWAP_OUT's identity keys, 1.3).
     succeeded: Callable[[], None] | None = None
+    # A swap: not started after this (wall clock, 1.5; math.inf: no limit); a SWAP_OUT that
+    # ends after it sets no identity keys.
+    not_after: float = math.inf
 
 
 def _job(entry: Ordered) -> Job:
@@ -102,8 +106,10 @@ class Jobs:
         register = self.ordering.register
         ready = []
         for req in requests:
-            assert req.job is not None, "an accepted asynchronous command carries its job"
-            entry = register(req.job.access, req, req.weight)
+            job = req.job
+            assert job is not None, "an accepted asynchronous command carries its job"
+            entry = register(job.access, req, req.weight)
+            entry.cancel.not_after = job.not_after
             if entry.unmet == 0:
                 ready.append(entry)
         if ready:
@@ -124,8 +130,13 @@ class Jobs:
         start = self.ordering.start
         for entry in ready:
             copy = _job(entry).copy
-            if entry.cancel.cancelled:  # cancelled while it waited: it never starts
-                self._complete(entry, entry.cancel.code, entry.cancel.detail, {})
+            cancel = entry.cancel
+            # Cancelled while it waited, or a copy into device blocks whose client may have
+            # given up on it meanwhile (not_after): it never starts. (Backends with a device
+            # fence check not_after again inside it.)
+            refusal = cancel.refusal(time.time()) if cancel.cancelled or cancel.not_after < math.inf else None
+            if refusal is not None:
+                self._complete(entry, refusal.code, refusal.detail, {})
                 continue
             start(entry)
             if copy is None:
@@ -156,6 +167,9 @@ class Jobs:
         started = time.monotonic()
         try:
             errors = first.cache.swap_now(first.direction, requests)
+        except InlineBusy:  # it would wait (a client checks the device fence): off the loop
+            self._spawn(self._run_copies(entries))
+            return
         except Exception as exc:  # a bug in the backend: every command of the batch fails
             errors = [exc] * len(entries)
         self._copies_done(entries, errors, started)
@@ -179,8 +193,14 @@ class Jobs:
         ready: list[Ordered] = []
         decided: list[Decided] = []
         complete, ok = self.ordering.complete, ErrorCode.OK
+        wall = time.time()
         for entry, error in zip(entries, errors):
             req = entry.payload
+            if error is None and wall > entry.cancel.not_after and first.direction is Direction.D2H:
+                # Its client may have given up and reused the device blocks while they were
+                # read: the host blocks may hold a mix, so they get no identity keys (1.5).
+                error = ProtocolError(ErrorCode.EXPIRED, f"copy ended {wall - entry.cancel.not_after:.3f}s after its "
+                                      "not_after: its host blocks' identity keys are not set")  # fmt: skip
             if error is None:
                 job = _job(entry)
                 if job.succeeded is not None:

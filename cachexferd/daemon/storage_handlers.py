@@ -116,7 +116,7 @@ class StorageHandlers:
     def handle_load(self, cmd: Load) -> Job:
         tier = self._tier()
         block_bytes, fingerprint, cache, serial = self._validate(cmd, writes_keys=False)
-        keys, host_ids, device_ids = cmd.keys, cmd.host_ids, cmd.device_ids
+        keys, host_ids, device_ids, not_after = cmd.keys, cmd.host_ids, cmd.device_ids, cmd.not_after
         version = self.host.weights_version
 
         async def work(cancel: CancelToken) -> dict[str, Any]:
@@ -125,6 +125,8 @@ class StorageHandlers:
             result: dict[str, Any] = {"loaded": loaded, "bytes": loaded * block_bytes}
             if cache is not None and device_ids and loaded:
                 cancel.check()
+                if not_after is not None:  # into device blocks: never started after it (1.5)
+                    cancel.not_after = not_after
                 moved = await cache.swap(Direction.H2D, device_ids[:loaded], host_ids[:loaded], cancel)
                 self.metrics.transfer_bytes.labels(Direction.H2D.value).inc(moved)
             return result

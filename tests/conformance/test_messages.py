@@ -227,6 +227,7 @@ def test_attach_and_detach(main: DaemonProc, connect: ClientFactory, shm: CacheF
         "host_block_bytes": block_bytes,
         "fingerprint": fingerprint(LAYOUT),
         "weights_version": 0,  # (1.2)
+        "device_fence": "flock",  # (1.5, the cpu backend)
     }
     done = client.call(T.DETACH)
     assert done.ok and done.body["op"] == T.DETACH

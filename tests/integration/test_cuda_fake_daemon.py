@@ -7,6 +7,7 @@ answers every command and lets go of the memory."""
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -52,7 +53,8 @@ class FakeCudaBackend(Backend):
         self, layout: KVLayout, device: dict[str, Any], pool: HostPool, geometry: HostGeometry, requester: Requester
     ) -> DeviceCache:
         name, fd, wire_offsets = cpu.decode_device(device)
-        storage, size, _ = cpu.open_device_segment(name, fd, requester)
+        storage, size, _, segment_fd = cpu.open_device_segment(name, fd, requester)
+        os.close(segment_fd)  # mapped: this fake has no device fence
         offsets = cpu.validate_offsets(wire_offsets, layout, size)
         held = [storage]  # the mapping lives until close
         addrs = [storage.data_ptr() + o for o in offsets]

@@ -4,7 +4,9 @@ needed; its offloading types are (the worker speaks them)."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -100,6 +102,41 @@ def test_a_hang_it_cannot_see_is_given_up_and_the_late_copy_refused(
         worker.get_finished()
         time.sleep(0.1)
     assert metric(daemon, "cachexferd_commands_total", op="store", outcome="ok") == 0
+
+
+def test_a_load_given_up_is_held_while_a_copy_may_still_reach_its_blocks(
+    rig: tuple[DaemonProcess, ShmKVCache, CachexferdWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon that stops in the middle of a copy into the device blocks (it holds the device
+    fence: here this test holds it for it). The load is given up, but vLLM is not told (its GPU
+    blocks are not handed back for recompute and reuse) until no copy can reach them."""
+    daemon, cache, worker = rig
+    worker.get_finished(), worker.take_failed_keys(), worker.take_invalid_block_ids()  # earlier tests' leftovers
+    assert worker.submit_store(41, gpu([7]), HostStoreSpec([key(41)], [41]))
+    finished(worker, 41, 10)
+    assert worker.conn.device_fence, "the daemon should say it copies into device blocks inside the fence"
+    expired = metric(daemon, "cachexferd_commands_total", op="swap_in", outcome="expired")
+    monkeypatch.setattr(liveness, "process_state", lambda pid: "alive")  # a hang that looks alive
+    copying = os.open(cache.path, os.O_RDONLY)
+    fcntl.flock(copying, fcntl.LOCK_SH)  # as the daemon's copy threads hold it
+    daemon.signal(signal.SIGSTOP)
+    try:
+        assert worker.submit_load(42, HostLoadSpec("r", [key(41)], [41], [False]), gpu([12]))
+        held_until = time.monotonic() + STALL + 0.6
+        while time.monotonic() < held_until:
+            done = [r.job_id for r in worker.get_finished()]
+            assert 42 not in done, "a load was handed back while a copy could still reach its blocks"
+            time.sleep(0.01)
+        assert worker.jobs_in_flight == 1 and not worker.take_invalid_block_ids()
+        fcntl.flock(copying, fcntl.LOCK_UN)  # the copy is over
+        finished(worker, 42, 2)
+        assert worker.take_invalid_block_ids() == {12}, "vLLM must recompute the block"
+        assert worker.take_failed_keys() == [key(41)]
+    finally:
+        os.close(copying)
+        daemon.signal(signal.SIGCONT)
+    wait_for(lambda: metric(daemon, "cachexferd_commands_total", op="swap_in", outcome="expired") == expired + 1, 20,
+             "the late SWAP_IN to be refused")  # fmt: skip
 
 
 BATCH_METRICS = ("cachexferd_batches_total", "cachexferd_batched_commands_total", "cachexferd_grouped_swaps_total")

@@ -79,6 +79,9 @@ class DaemonConnection:
         self.lost_after_s = lost_after_s
         self.slow_after_s = slow_after_s
         self.cache = cache
+        # Whether a daemon this connection attached to makes device writes inside the device
+        # fence (protocol 1.5, ATTACH ``device_fence``; client/fence.py).
+        self.device_fence = False
         self.lock = threading.RLock()
         self.client: EngineClient | None = None
         self.runner: RunnerClient | None = None
@@ -305,7 +308,7 @@ class DaemonConnection:
         runner = RunnerClient(endpoint, name=f"{self.name}-runner", timeout_s=self.connect_timeout_s)
         try:
             try:
-                runner.attach(cache)
+                attached = runner.attach(cache)
             except ClientError as exc:
                 if exc.code != ErrorCode.ALREADY_ATTACHED:
                     raise
@@ -313,14 +316,16 @@ class DaemonConnection:
                 if owner == os.getpid():
                     # Our own earlier attach (a connection we dropped): replace it.
                     runner.detach()
-                    runner.attach(cache)
+                    attached = runner.attach(cache)
                 else:
                     # Another runner's: the daemon replaces it only if that one is gone or
                     # orphaned and ran as our user (docs/protocol.md §7.15).
-                    runner.attach(cache, supersede=True)
+                    attached = runner.attach(cache, supersede=True)
         except BaseException:
             runner.close()
             raise
+        if attached.get("device_fence") == "flock":  # 1.5; never unset: an older daemon may still copy
+            self.device_fence = True
         return runner
 
     # Losing and closing -------------------------------------------------------------------------

@@ -104,6 +104,10 @@ class ShmPageCache:
     def device_handle(self) -> dict[str, Any]:
         return self.segment.device_map(self.offsets)
 
+    def fence_path(self) -> str:
+        """What a DeviceFence opens (client/fence.py): the segment anew, through our descriptor."""
+        return f"/proc/self/fd/{self.segment.fd}"
+
     def close(self) -> None:
         self.tensors = []
         self.segment.close()

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...client import EngineClient
+from ...client.fence import DeviceFence
 from ...client.pending import Completion
 from ...protocol import MsgType
 from ..engine.connection import RESTART_ERRORS, DaemonConnection
@@ -59,12 +60,15 @@ class _Job:
     device_ids: list[int]
     deadline: float  # monotonic: given up after this whatever happens
     soft: float  # monotonic: given up after this if the daemon has answered nothing since ``started``
+    not_after: float  # wall clock: sent as ``not_after`` (a load: ``soft``; a store: ``deadline``)
     owner: str = ""  # the owner token of the index that planned it (protocol 1.2)
     req_id: str = ""  # vLLM's request (loads): a failed load fails this request's receive
     started: float = field(default_factory=time.monotonic)
     parts: int = 0  # daemon commands not yet completed
     failed: bool = False
     nbytes: int = 0
+    given_up: str = ""  # why, once given up; a load is held until no copy into its blocks can run
+    unsettled: list[_Part] = field(default_factory=list)  # its parts without an outcome, when given up
 
     @property
     def kind(self) -> str:
@@ -109,6 +113,8 @@ class CachexferdWorker(OffloadingWorker):
         self._jobs: dict[int, _Job] = {}  # vLLM job_id -> job in flight
         self._finished: list[TransferResult] = []
         self._writes: list[_Write] = []  # write-through STOREs to send
+        self._held: list[_Job] = []  # loads given up whose GPU blocks a copy might still reach
+        self._fence: DeviceFence | None = None  # opened when a daemon says it fences its device writes
         self.invalid_block_ids: set[int] = set()  # GPU blocks whose load failed (for recompute)
         self.failed_keys: list[OffloadKey] = []  # offload keys that are not where the manager thinks
         self.failed_load_reqs: set[str] = set()  # requests a load of which failed (for recompute)
@@ -187,7 +193,12 @@ class CachexferdWorker(OffloadingWorker):
     ) -> _Job:
         now, stall = time.monotonic(), self.times.max_stall_s
         hard = now + (3 * stall if is_load else self.times.transfer_timeout_s)
-        job = _Job(job_id, is_load, list(keys), [int(b) for b in block_ids], hard, now + stall, owner or self.owner)
+        # not_after: a load is refused if the daemon reads it (or would start its copy) after
+        # we may have given up on it; a store, whose late copy harms nothing, when nobody
+        # waits for it any more. On the daemon's wall clock (same host).
+        not_after = time.time() + (stall if is_load else hard - now)
+        device_ids = [int(b) for b in block_ids]
+        job = _Job(job_id, is_load, list(keys), device_ids, hard, now + stall, not_after, owner or self.owner)
         self._jobs[job_id] = job
         return job
 
@@ -205,11 +216,7 @@ class CachexferdWorker(OffloadingWorker):
     def _copy_fields(
         self, job: _Job, device_ids: list[int], host_ids: list[int], keys: list[OffloadKey] | None = None
     ) -> dict[str, object]:
-        # not_after, on the daemon's wall clock (same host): a load is refused if read after
-        # we may have given up on it; a store, whose late copy harms nothing, when nobody
-        # waits for it any more.
-        not_after = time.time() + ((job.soft if job.is_load else job.deadline) - time.monotonic())
-        fields = {"device_ids": device_ids, "host_ids": host_ids, "owner": job.owner, "not_after": not_after}
+        fields = {"device_ids": device_ids, "host_ids": host_ids, "owner": job.owner, "not_after": job.not_after}
         if keys is not None and speaks_keys(self.conn.hellos):
             # Protocol 1.3: swaps name each block's identity key. A SWAP_IN then reads by key
             # alone (the block may be one an earlier instance wrote: adoption.py).
@@ -250,6 +257,7 @@ class CachexferdWorker(OffloadingWorker):
             if client is not None:
                 self._file(client.poll())
             self._expire(time.monotonic())
+            self._release_held()
             self._send_writes()
             self.failures.flush()
             done, self._finished = self._finished, []
@@ -282,9 +290,9 @@ class CachexferdWorker(OffloadingWorker):
                 continue
             codes = {o.code for o in done.outcomes.values()}
             if not done.ok and codes & RESTART_ERRORS:
-                self._fail_part(part, done.describe())
+                self._parts[done.req_id] = part  # given up with the rest of its job (_give_up)
                 self.conn.lose(done.describe())
-                self._fail_all("connection lost")
+                self._fail_all(f"connection lost: {done.describe()}")
                 return
             self._complete_part(part, done)  # a link error fails this command only
 
@@ -331,13 +339,53 @@ class CachexferdWorker(OffloadingWorker):
                 self._give_up(job.job_id, f"not done after {now - job.started:.2f}s")
 
     def _give_up(self, job_id: int, why: str) -> None:
+        """Stops waiting for a job's outcome. A load stays in flight for vLLM (its request
+        waits) until no copy into its GPU blocks can land any more (``_release_held``):
+        vLLM recomputes those blocks, then reuses them for other requests."""
         job = self._jobs.get(job_id)
-        if job is None:
+        if job is None or job.given_up:
             return
+        job.given_up = why
         for rid, part in list(self._parts.items()):
             if part.job is job:
                 del self._parts[rid]
-                self._fail_part(part, why)
+                job.unsettled.append(part)
+        if job.is_load:
+            self._held.append(job)
+            self._release_held()
+        else:  # a store's late copy only reads its GPU blocks
+            self._settle(job)
+
+    def _release_held(self, force: bool = False) -> None:
+        """Settles the given-up loads that no copy can reach any more: their ``not_after`` has
+        passed (the daemon starts no copy after it) and, with a daemon that copies inside the
+        device fence, none is running now (client/fence.py). Without a fence (a cuda daemon,
+        whose copies run on the GPU once issued; an older daemon) the first is all we know."""
+        if not self._held:
+            return
+        now = time.time()
+        due = self._held if force else [job for job in self._held if now > job.not_after]
+        if not due or not (force or self._device_quiet()):
+            return
+        settled = {id(job) for job in due}
+        for job in due:
+            self._settle(job)
+        self._held = [job for job in self._held if id(job) not in settled]
+
+    def _device_quiet(self) -> bool:
+        if not self.conn.device_fence:
+            return True
+        if self._fence is None:
+            path = getattr(self.conn.cache, "fence_path", None)
+            if path is None:
+                return True
+            self._fence = DeviceFence(path())
+        return self._fence.quiet()
+
+    def _settle(self, job: _Job) -> None:
+        for part in job.unsettled:
+            self._fail_part(part, job.given_up)
+        job.unsettled = []
         self.stats["given_up"] += 1
         self._finish(job)
 
@@ -356,14 +404,14 @@ class CachexferdWorker(OffloadingWorker):
         self._finish(job)
         return True  # vLLM asserts on False; the failure travels on the side
 
-    def _fail_all(self, why: str) -> None:
-        for part in list(self._parts.values()):
-            if part.job is not None and part.job.job_id in self._jobs:
-                self._fail_part(part, why)
-        self._parts.clear()
-        self._writes.clear()
+    def _fail_all(self, why: str, force: bool = False) -> None:
+        """Gives up every job (``force``: loads too at once, when nothing will reuse their blocks)."""
         for job in list(self._jobs.values()):
-            self._finish(job)
+            self._give_up(job.job_id, why)
+        self._parts.clear()  # storage writes nobody waits for
+        self._writes.clear()
+        if force:
+            self._release_held(force=True)
 
     def _finish(self, job: _Job) -> None:
         if self._jobs.pop(job.job_id, None) is None:
@@ -416,7 +464,7 @@ class CachexferdWorker(OffloadingWorker):
             while self._parts and self.conn.client is not None and time.monotonic() < deadline:
                 self._file(self.conn.client.poll(timeout_ms=20))
                 self._send_writes()
-            self._fail_all("shutting down")
+            self._fail_all("shutting down", force=True)  # the daemon drains its copies at our detach
             self.failures.flush(force=True)
         self.conn.close()
         log.info("cachexferd: worker rank %d done: %s", self.rank, self.stats)

@@ -1,0 +1,117 @@
+"""The device fence (protocol 1.5, docs/protocol.md §7.14): a copy into device blocks never
+starts after its ``not_after``, and runs inside a shared flock of the device segment, so a
+client that gives up on it can tell when no such copy can land any more.
+
+A real daemon process, a runner's shared-memory cache and real sockets; this test holds the
+fence as a client does while it checks it (exclusively), for longer than a client ever would."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from typing import Any
+
+import pytest
+
+from cachexferd.client import EngineClient, RunnerClient, ShmKVCache
+from cachexferd.client.fence import DeviceFence
+from cachexferd.protocol import ErrorCode, KVLayout, MsgType
+
+from ..helpers import SMALL, fill_random, snapshot
+
+pytestmark = pytest.mark.timeout(120)
+# Blocks of 4 MiB: a swap of 32 of them takes tens of milliseconds, long enough to be seen.
+BIG = KVLayout(num_layers=2, num_blocks=32, block_size=64, num_kv_heads=8, head_dim=1024, dtype="float16")
+
+
+def codes(engine: EngineClient, req_ids: list[int], timeout_s: float = 20) -> list[int]:
+    done = engine.wait(req_ids, timeout_s=timeout_s)
+    return [int(next(iter(done[r].outcomes.values())).code) for r in req_ids]
+
+
+def test_a_swap_in_waits_for_the_fence_and_never_starts_after_its_not_after(spawn_daemon: Any) -> None:
+    daemon = spawn_daemon()
+    with ShmKVCache(SMALL) as cache, RunnerClient(daemon.endpoint) as runner, EngineClient([daemon.endpoint]) as engine:
+        fill_random(cache, seed=1)
+        assert runner.attach(cache)["device_fence"] == "flock"
+        engine.connect(timeout_s=10)
+        stored = snapshot(cache)
+        assert codes(engine, [engine.submit(MsgType.SWAP_OUT, {"device_ids": [0, 1], "host_ids": [0, 1]})]) == [0]
+        fill_random(cache, seed=2)  # the device blocks now differ from the host blocks
+        before = snapshot(cache)
+        checking = os.open(cache.path, os.O_RDONLY)
+        fcntl.flock(checking, fcntl.LOCK_EX)  # a client checking the fence (for much longer than one does)
+        try:
+            late = engine.submit(MsgType.SWAP_IN, {"device_ids": [5], "host_ids": [0], "not_after": time.time() + 0.3})
+            in_time = engine.submit(
+                MsgType.SWAP_IN, {"device_ids": [6], "host_ids": [1], "not_after": time.time() + 60}
+            )
+            time.sleep(0.6)
+            assert engine.status()[0]["device"]["state"] == "attached", "the daemon must keep serving meanwhile"
+            assert not engine.poll(), "a copy finished while the fence was held"
+            for t, tensor in enumerate(cache.tensors):
+                assert int(tensor.view(-1)[0]) == int(before[t].view(tensor.dtype).view(-1)[0])
+        finally:
+            fcntl.flock(checking, fcntl.LOCK_UN)
+            os.close(checking)
+        assert codes(engine, [late, in_time]) == [ErrorCode.EXPIRED, ErrorCode.OK]
+        for t, tensor in enumerate(cache.tensors):
+            raw = tensor.view(-1).view(before[t].dtype).view(before[t].shape)
+            assert bytes(raw[6].contiguous().numpy()) == bytes(stored[t][1].contiguous().numpy()), (
+                "block 6: not the host's"
+            )
+            keep = [b for b in range(SMALL.num_blocks) if b != 6]
+            assert bytes(raw[keep].contiguous().numpy()) == bytes(before[t][keep].contiguous().numpy()), (
+                "a block the copies did not name changed (block 5: the late copy landed)"
+            )
+
+
+def test_a_client_sees_the_fence_held_while_a_copy_runs_and_free_after(spawn_daemon: Any) -> None:
+    daemon = spawn_daemon(settings={"host_cache.capacity": "160MiB"})
+    with ShmKVCache(BIG) as cache, RunnerClient(daemon.endpoint) as runner, EngineClient([daemon.endpoint]) as engine:
+        fill_random(cache, seed=3)
+        runner.attach(cache)
+        engine.connect(timeout_s=10)
+        ids = list(range(BIG.num_blocks))
+        assert codes(engine, [engine.submit(MsgType.SWAP_OUT, {"device_ids": ids, "host_ids": ids})]) == [0]
+        fence = DeviceFence(cache.path)
+        try:
+            assert fence.quiet(), "nothing copies: the fence is free"
+            seen_held = False
+            for _ in range(5):  # each swap-in holds it for tens of milliseconds
+                engine.submit(MsgType.SWAP_IN, {"device_ids": ids, "host_ids": ids[::-1]})
+                deadline = time.monotonic() + 20
+                while not engine.poll() and time.monotonic() < deadline:
+                    seen_held = seen_held or not fence.quiet()
+                if seen_held:
+                    break
+            assert seen_held, "the fence never looked held while a swap-in copied"
+            assert codes(engine, [engine.submit(MsgType.PING, {})]) == [0]  # every swap is over
+            assert fence.quiet(), "the fence must be free once the copies are done"
+        finally:
+            fence.close()
+
+
+def test_a_swap_out_that_ends_after_its_not_after_sets_no_identity_keys(spawn_daemon: Any) -> None:
+    """Its client may have reused the device blocks while they were read: the host blocks
+    may hold a mix, so they must never be read back under the keys it named."""
+    daemon = spawn_daemon(settings={"host_cache.capacity": "160MiB"})
+    with ShmKVCache(BIG) as cache, RunnerClient(daemon.endpoint) as runner, EngineClient([daemon.endpoint]) as engine:
+        fill_random(cache, seed=4)
+        runner.attach(cache)
+        engine.connect(timeout_s=10)
+        ids = list(range(BIG.num_blocks))
+        keys = [f"block-{i}" for i in ids]
+        detail = ""
+        for _ in range(5):  # until one is read in time and ends late (a 128 MiB copy takes longer than 5 ms)
+            fields = {"device_ids": ids, "host_ids": ids, "keys": keys, "not_after": time.time() + 0.005}
+            req = engine.submit(MsgType.SWAP_OUT, fields)
+            (outcome,) = engine.wait([req], timeout_s=20)[req].outcomes.values()
+            assert outcome.code == ErrorCode.EXPIRED, outcome
+            detail = outcome.detail
+            if "ended" in detail:
+                break
+        assert "ended" in detail, detail
+        read = engine.submit(MsgType.SWAP_IN, {"device_ids": [0], "host_ids": [0], "keys": keys[:1]})
+        assert codes(engine, [read]) == [ErrorCode.HOST_BLOCK_CHANGED], "a host block was read back under its keys"
