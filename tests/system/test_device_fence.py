@@ -1,15 +1,18 @@
-"""The device fence (protocol 1.5, docs/protocol.md §7.14): a copy into device blocks never
-starts after its ``not_after``, and runs inside a shared flock of the device segment, so a
-client that gives up on it can tell when no such copy can land any more.
+"""The device fence (protocol 1.5, docs/protocol.md §7.14): a swap never starts after its
+``not_after``, a copy into device blocks runs inside a shared flock of the device segment
+(so a client that gives up on it can tell when no such copy can land any more), and a
+SWAP_OUT that ends after its ``not_after`` sets no identity keys.
 
-A real daemon process, a runner's shared-memory cache and real sockets; this test holds the
-fence as a client does while it checks it (exclusively), for longer than a client ever would."""
+A real daemon process, a runner's shared-memory cache and real sockets; a test that holds
+the fence does what a client does while it checks it (exclusively), for much longer."""
 
 from __future__ import annotations
 
 import fcntl
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -18,11 +21,28 @@ from cachexferd.client import EngineClient, RunnerClient, ShmKVCache
 from cachexferd.client.fence import DeviceFence
 from cachexferd.protocol import ErrorCode, KVLayout, MsgType
 
-from ..helpers import SMALL, fill_random, snapshot
+from ..helpers import SMALL, assert_moved, assert_untouched, fill_random, snapshot
 
 pytestmark = pytest.mark.timeout(120)
-# Blocks of 4 MiB: a swap of 32 of them takes tens of milliseconds, long enough to be seen.
+# Blocks of 4 MiB: a swap of all 32 takes tens of milliseconds, long enough to be seen.
 BIG = KVLayout(num_layers=2, num_blocks=32, block_size=64, num_kv_heads=8, head_dim=1024, dtype="float16")
+
+
+@contextmanager
+def attached(
+    spawn_daemon: Any, layout: KVLayout, seed: int
+) -> Iterator[tuple[ShmKVCache, EngineClient, dict[str, Any]]]:
+    """A daemon with a runner's random cache attached: (cache, engine client, ATTACH result)."""
+    daemon = spawn_daemon(settings={"host_cache.capacity": "160MiB"})
+    with (
+        ShmKVCache(layout) as cache,
+        RunnerClient(daemon.endpoint) as runner,
+        EngineClient([daemon.endpoint]) as engine,
+    ):
+        fill_random(cache, seed=seed)
+        result = runner.attach(cache)
+        engine.connect(timeout_s=10)
+        yield cache, engine, result
 
 
 def codes(engine: EngineClient, req_ids: list[int], timeout_s: float = 20) -> list[int]:
@@ -31,48 +51,32 @@ def codes(engine: EngineClient, req_ids: list[int], timeout_s: float = 20) -> li
 
 
 def test_a_swap_in_waits_for_the_fence_and_never_starts_after_its_not_after(spawn_daemon: Any) -> None:
-    daemon = spawn_daemon()
-    with ShmKVCache(SMALL) as cache, RunnerClient(daemon.endpoint) as runner, EngineClient([daemon.endpoint]) as engine:
-        fill_random(cache, seed=1)
-        assert runner.attach(cache)["device_fence"] == "flock"
-        engine.connect(timeout_s=10)
+    with attached(spawn_daemon, SMALL, seed=1) as (cache, engine, result):
+        assert result["device_fence"] == "flock"
         stored = snapshot(cache)
         assert codes(engine, [engine.submit(MsgType.SWAP_OUT, {"device_ids": [0, 1], "host_ids": [0, 1]})]) == [0]
         fill_random(cache, seed=2)  # the device blocks now differ from the host blocks
         before = snapshot(cache)
         checking = os.open(cache.path, os.O_RDONLY)
-        fcntl.flock(checking, fcntl.LOCK_EX)  # a client checking the fence (for much longer than one does)
+        fcntl.flock(checking, fcntl.LOCK_EX)
         try:
-            late = engine.submit(MsgType.SWAP_IN, {"device_ids": [5], "host_ids": [0], "not_after": time.time() + 0.3})
-            in_time = engine.submit(
-                MsgType.SWAP_IN, {"device_ids": [6], "host_ids": [1], "not_after": time.time() + 60}
-            )
+            now = time.time()
+            late = engine.submit(MsgType.SWAP_IN, {"device_ids": [5], "host_ids": [0], "not_after": now + 0.3})
+            in_time = engine.submit(MsgType.SWAP_IN, {"device_ids": [6], "host_ids": [1], "not_after": now + 60})
             time.sleep(0.6)
             assert engine.status()[0]["device"]["state"] == "attached", "the daemon must keep serving meanwhile"
             assert not engine.poll(), "a copy finished while the fence was held"
-            for t, tensor in enumerate(cache.tensors):
-                assert int(tensor.view(-1)[0]) == int(before[t].view(tensor.dtype).view(-1)[0])
+            assert_untouched(cache, before, [])
         finally:
             fcntl.flock(checking, fcntl.LOCK_UN)
             os.close(checking)
         assert codes(engine, [late, in_time]) == [ErrorCode.EXPIRED, ErrorCode.OK]
-        for t, tensor in enumerate(cache.tensors):
-            raw = tensor.view(-1).view(before[t].dtype).view(before[t].shape)
-            assert bytes(raw[6].contiguous().numpy()) == bytes(stored[t][1].contiguous().numpy()), (
-                "block 6: not the host's"
-            )
-            keep = [b for b in range(SMALL.num_blocks) if b != 6]
-            assert bytes(raw[keep].contiguous().numpy()) == bytes(before[t][keep].contiguous().numpy()), (
-                "a block the copies did not name changed (block 5: the late copy landed)"
-            )
+        assert_moved(cache, [6], stored, [1])
+        assert_untouched(cache, before, [6])  # block 5 too: the late copy never landed
 
 
 def test_a_client_sees_the_fence_held_while_a_copy_runs_and_free_after(spawn_daemon: Any) -> None:
-    daemon = spawn_daemon(settings={"host_cache.capacity": "160MiB"})
-    with ShmKVCache(BIG) as cache, RunnerClient(daemon.endpoint) as runner, EngineClient([daemon.endpoint]) as engine:
-        fill_random(cache, seed=3)
-        runner.attach(cache)
-        engine.connect(timeout_s=10)
+    with attached(spawn_daemon, BIG, seed=3) as (cache, engine, _):
         ids = list(range(BIG.num_blocks))
         assert codes(engine, [engine.submit(MsgType.SWAP_OUT, {"device_ids": ids, "host_ids": ids})]) == [0]
         fence = DeviceFence(cache.path)
@@ -96,11 +100,7 @@ def test_a_client_sees_the_fence_held_while_a_copy_runs_and_free_after(spawn_dae
 def test_a_swap_out_that_ends_after_its_not_after_sets_no_identity_keys(spawn_daemon: Any) -> None:
     """Its client may have reused the device blocks while they were read: the host blocks
     may hold a mix, so they must never be read back under the keys it named."""
-    daemon = spawn_daemon(settings={"host_cache.capacity": "160MiB"})
-    with ShmKVCache(BIG) as cache, RunnerClient(daemon.endpoint) as runner, EngineClient([daemon.endpoint]) as engine:
-        fill_random(cache, seed=4)
-        runner.attach(cache)
-        engine.connect(timeout_s=10)
+    with attached(spawn_daemon, BIG, seed=4) as (_, engine, _):
         ids = list(range(BIG.num_blocks))
         keys = [f"block-{i}" for i in ids]
         detail = ""
