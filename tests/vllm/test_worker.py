@@ -25,6 +25,7 @@ from cachexferd.integrations.vllm.transfer_specs import HostLoadSpec, HostStoreS
 from cachexferd.integrations.vllm.vllm_api import GPULoadStoreSpec
 from cachexferd.integrations.vllm.worker import CachexferdWorker, WorkerTimes
 from cachexferd.launch import DaemonProcess
+from cachexferd.protocol import HostKeys
 from cachexferd.storage.objects import HEADER_BYTES
 
 from ..helpers import SMALL, assert_moved, assert_untouched, fill_random, snapshot
@@ -137,6 +138,39 @@ def test_a_load_given_up_is_held_while_a_copy_may_still_reach_its_blocks(
         daemon.signal(signal.SIGCONT)
     wait_for(lambda: metric(daemon, "cachexferd_commands_total", op="swap_in", outcome="expired") == expired + 1, 20,
              "the late SWAP_IN to be refused")  # fmt: skip
+
+
+def keyed_host_blocks(daemon: DaemonProcess) -> dict[int, str]:
+    """The daemon's host blocks that carry an identity key (protocol 1.3): host id -> key."""
+    with EngineClient([daemon.endpoint]) as other:
+        other.connect(timeout_s=10)
+        (page,) = other.call_all(HostKeys, count=64)
+    return dict(zip(page["host_ids"], page["keys"]))
+
+
+def test_a_store_given_up_leaves_its_host_block_without_identity_keys(
+    rig: tuple[DaemonProcess, ShmKVCache, CachexferdWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM waits for a store (it reuses the GPU blocks next) no longer than max_stall_s; a
+    daemon that was hung runs the SWAP_OUT later, reading blocks vLLM may have rewritten. Its
+    host block must not keep the block's identity key: an instance adopting host blocks
+    after a restart would load KV that may be only partly the block's."""
+    daemon, _, worker = rig
+    worker.get_finished(), worker.take_failed_keys(), worker.take_invalid_block_ids()  # earlier tests' leftovers
+    swap_outs = ops(daemon, "swap_out")
+    monkeypatch.setattr(liveness, "process_state", lambda pid: "alive")  # a hang that looks alive
+    daemon.signal(signal.SIGSTOP)
+    try:
+        assert worker.submit_store(51, gpu([8]), HostStoreSpec([key(51)], [51]))
+        worker.wait({51})
+        assert worker.take_failed_keys() == [key(51)], "the manager must forget the key"
+    finally:
+        daemon.signal(signal.SIGCONT)
+    wait_for(lambda: ops(daemon, "swap_out") > swap_outs, 10, "the late SWAP_OUT to run")
+    for _ in range(20):  # engine steps: the worker sends what it queued
+        worker.get_finished()
+        time.sleep(0.05)
+    assert 51 not in keyed_host_blocks(daemon), "a host block a given-up store wrote kept its identity key"
 
 
 BATCH_METRICS = ("cachexferd_batches_total", "cachexferd_batched_commands_total", "cachexferd_grouped_swaps_total")

@@ -114,6 +114,8 @@ class CachexferdWorker(OffloadingWorker):
         self._finished: list[TransferResult] = []
         self._writes: list[_Write] = []  # write-through STOREs to send
         self._held: list[_Job] = []  # loads given up whose GPU blocks a copy might still reach
+        # SWAP_OUTs given up, as (GPU blocks, host blocks): scrubbed once the daemon answers (_send_scrubs)
+        self._scrubs: list[tuple[list[int], list[int]]] = []
         self._fence: DeviceFence | None = None  # opened when a daemon says it fences its device writes
         self.invalid_block_ids: set[int] = set()  # GPU blocks whose load failed (for recompute)
         self.failed_keys: list[OffloadKey] = []  # offload keys that are not where the manager thinks
@@ -299,8 +301,8 @@ class CachexferdWorker(OffloadingWorker):
     def _complete_part(self, part: _Part, done: Completion) -> None:
         if log.isEnabledFor(logging.DEBUG):
             _log_timeline(done, len(part.host_ids))
-        if part.job is None:  # a storage write: a failure only means a later storage miss
-            if not done.ok or done.min_result("stored") < len(part.keys):
+        if part.job is None:  # a storage write (a failure only means a later storage miss), or a scrub
+            if part.op is MsgType.STORE and (not done.ok or done.min_result("stored") < len(part.keys)):
                 self.failures.note("storage write", done.describe())
             return
         delivered = len(part.host_ids) if done.ok else 0
@@ -329,6 +331,18 @@ class CachexferdWorker(OffloadingWorker):
         with self.one_message():
             for write in writes:
                 self._send_store(client, write.keys, write.host_ids, write.owner, write.parent)
+            self._send_scrubs(client)
+
+    def _send_scrubs(self, client: EngineClient) -> None:
+        """A store given up may still run after vLLM has reused its GPU blocks (vLLM waits for
+        it only ``max_stall_s``), and the daemon would then give its host blocks the identity
+        keys of KV they may hold only in part; an instance adopting host blocks (a restart)
+        would trust them. A SWAP_OUT naming no keys, sent after it, leaves those host blocks
+        with none: whatever it copies is never read (the manager has forgotten the keys)."""
+        scrubs, self._scrubs = self._scrubs, []
+        for device_ids, host_ids in scrubs:
+            fields = {"device_ids": device_ids, "host_ids": host_ids, "owner": self.owner}
+            self._parts[client.submit(MsgType.SWAP_OUT, fields)] = _Part(None, MsgType.SWAP_OUT, [], host_ids, [])
 
     # Failures -------------------------------------------------------------------------------
 
@@ -385,6 +399,8 @@ class CachexferdWorker(OffloadingWorker):
     def _settle(self, job: _Job) -> None:
         for part in job.unsettled:
             self._fail_part(part, job.given_up)
+            if part.op is MsgType.SWAP_OUT and speaks_keys(self.conn.hellos):
+                self._scrubs.append((part.device_ids, part.host_ids))
         job.unsettled = []
         self.stats["given_up"] += 1
         self._finish(job)
@@ -410,6 +426,7 @@ class CachexferdWorker(OffloadingWorker):
             self._give_up(job.job_id, why)
         self._parts.clear()  # storage writes nobody waits for
         self._writes.clear()
+        self._scrubs.clear()  # for a daemon that may have restarted: its host blocks are another index's now
         if force:
             self._release_held(force=True)
 
