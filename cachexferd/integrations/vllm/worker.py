@@ -483,6 +483,8 @@ class CachexferdWorker(OffloadingWorker):
                 self._send_writes()
             self._fail_all("shutting down", force=True)  # the daemon drains its copies at our detach
             self.failures.flush(force=True)
+            if self._fence is not None:
+                self._fence.close()
         self.conn.close()
         log.info("cachexferd: worker rank %d done: %s", self.rank, self.stats)
 
