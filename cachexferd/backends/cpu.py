@@ -29,6 +29,7 @@ import fcntl
 import gc
 import itertools
 import logging
+import math
 import os
 import re
 import stat
@@ -314,9 +315,9 @@ def _empty_segment(name: str, identity: SegmentIdentity, dir_fd: int, shm_dir: s
 
 
 class WriteFence:
-    """Copies into the runner's device blocks hold a shared flock on the daemon's open file
-    description of the device segment (protocol 1.5, docs/protocol.md §7.14), and check
-    their ``not_after`` once they hold it. A client that gives up on a copy after its
+    """Copies into the runner's device blocks whose commands carry a ``not_after`` hold a
+    shared flock on the daemon's open file description of the device segment (protocol 1.5,
+    docs/protocol.md §7.14), and check their ``not_after`` once they hold it. A client that gives up on a copy after its
     ``not_after`` takes an exclusive flock without waiting on its own open file description:
     if it gets it, no copy into its blocks is running and none can start (it would be too
     late), so it may reuse the blocks. The kernel drops the lock of a daemon that dies.
@@ -412,10 +413,11 @@ class CpuDeviceCache(BatchedDeviceCache):
         return results
 
     def swap_now(self, direction: Direction, requests: Sequence[SwapRequest]) -> list[BaseException | None]:
-        to_host = direction is Direction.D2H
-        if not to_host and not self.fence_lock.enter(wait=False):  # never wait on the loop thread
+        fenced = _fenced(direction, [r.cancel for r in requests])
+        if fenced and not self.fence_lock.enter(wait=False):  # never wait on the loop thread
             raise InlineBusy("a client holds the device fence")
         try:
+            to_host = direction is Direction.D2H
             pairs = _block_pairs(requests, to_host)
             if pairs is not None:  # the common batch: straight to one copy per group
                 for group in self.groups:
@@ -424,7 +426,7 @@ class CpuDeviceCache(BatchedDeviceCache):
             items = [plan_item(i, r.device_ids, r.host_ids) for i, r in enumerate(requests)]
             failed = self._copy_items(direction, items, [r.cancel for r in requests])
         finally:
-            if not to_host:
+            if fenced:
                 self.fence_lock.leave()
         if not failed:
             return [None] * len(requests)
@@ -434,7 +436,7 @@ class CpuDeviceCache(BatchedDeviceCache):
         self, direction: Direction, items: list[CopyItem], cancels: list[CancelToken]
     ) -> dict[int, ProtocolError]:
         """Runs on a worker thread; copies into device blocks inside the device fence."""
-        if direction is Direction.D2H:
+        if not _fenced(direction, cancels):
             return self._copy_items(direction, items, cancels)
         self.fence_lock.enter()
         try:
@@ -523,6 +525,12 @@ class CpuBackend(Backend):
     def close(self) -> None:
         for pool in self.pools.values():
             pool.shutdown(wait=True)
+
+
+def _fenced(direction: Direction, cancels: Sequence[CancelToken]) -> bool:
+    """Whether copies go inside the device fence: into device blocks, for a client that
+    may give up on them (it sent a ``not_after``). Others skip its two system calls."""
+    return direction is Direction.H2D and any(c.not_after < math.inf for c in cancels)
 
 
 def _block_pairs(requests: Sequence[SwapRequest], to_host: bool) -> tuple[list[int], list[int]] | None:

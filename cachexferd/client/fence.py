@@ -3,8 +3,9 @@
 A client that stops waiting for a copy into its device blocks (the daemon is stopped or
 starved of CPU) recomputes those blocks and will reuse them. That is safe only once no copy
 into them can still land. A daemon whose ATTACH result says ``device_fence: "flock"`` makes
-every copy into device blocks while holding a shared flock on its own open file description
-of the device segment, and checks the copy's ``not_after`` once it holds it. So after a
+every copy into device blocks whose command carries a ``not_after`` while holding a shared
+flock on its own open file description of the device segment, and checks that ``not_after``
+once it holds it. So after a
 copy's ``not_after`` has passed, an exclusive flock taken without waiting on the client's own
 open file description of the segment tells: got it, no copy is running and none can start;
 refused, a copy is running right now (try again later). A daemon that died holds nothing.

@@ -84,7 +84,8 @@ def test_a_client_sees_the_fence_held_while_a_copy_runs_and_free_after(spawn_dae
             assert fence.quiet(), "nothing copies: the fence is free"
             seen_held = False
             for _ in range(5):  # each swap-in holds it for tens of milliseconds
-                engine.submit(MsgType.SWAP_IN, {"device_ids": ids, "host_ids": ids[::-1]})
+                fields = {"device_ids": ids, "host_ids": ids[::-1], "not_after": time.time() + 60}
+                engine.submit(MsgType.SWAP_IN, fields)
                 deadline = time.monotonic() + 20
                 while not engine.poll() and time.monotonic() < deadline:
                     seen_held = seen_held or not fence.quiet()
