@@ -27,19 +27,18 @@ from ..zmqio import readable, recv_frames, send_frames
 
 log = logging.getLogger(__name__)
 
-# Fast reconnects (LMCache's ~127 s stall came from default exponential backoff).
+# Fast reconnects (LMCache's ~127 s stall came from default exponential backoff) and
+# ZMTP heartbeats so a dead tcp peer is noticed.
 SOCKET_OPTIONS = {
     zmq.LINGER: 0,
     zmq.RECONNECT_IVL: 100,
     zmq.RECONNECT_IVL_MAX: 1000,
     zmq.CONNECT_TIMEOUT: 2000,
+    zmq.HEARTBEAT_IVL: 1000,
+    zmq.HEARTBEAT_TIMEOUT: 3000,
     zmq.SNDHWM: 100_000,
     zmq.RCVHWM: 100_000,
 }
-# ZMTP heartbeats, so that a dead tcp peer (a host gone) is noticed. Not on ipc: a daemon
-# that exits closes its socket (noticed at once), and a live one starved of CPU for a few
-# seconds must not look gone (liveness.py tells a stopped or slow daemon apart).
-TCP_OPTIONS = {zmq.HEARTBEAT_IVL: 1000, zmq.HEARTBEAT_TIMEOUT: 3000}
 
 
 class ClientError(RuntimeError):
@@ -64,8 +63,7 @@ def make_dealer(ctx: zmq.Context[Any], endpoint: str, curve: CurveClientKeys | N
     """A DEALER connected to ``endpoint``; ``curve`` (security.load_client_keys) for a daemon
     that serves tcp with CURVE."""
     sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
-    options = SOCKET_OPTIONS if endpoint.startswith("ipc://") else {**SOCKET_OPTIONS, **TCP_OPTIONS}
-    for option, value in options.items():
+    for option, value in SOCKET_OPTIONS.items():
         sock.setsockopt(option, value)
     if needs_ipv6(endpoint):
         sock.setsockopt(zmq.IPV6, 1)
