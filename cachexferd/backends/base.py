@@ -31,9 +31,9 @@ class CancelToken:
     workers only ever read ``cancelled``, and ``cancel`` writes the code and detail before
     the flag, so a worker that sees the flag (an atomic attribute read) sees both.
 
-    ``not_after`` (wall clock, protocol 1.5): a copy into device blocks must not start after
-    it (its client may have given up and reused the blocks); backends check it when the
-    copy starts (``late``)."""
+    ``not_after`` (wall clock, protocol 1.5): a swap must not start after it (its client may
+    have given up and reused the device blocks); the daemon and backends check it when the
+    copy starts (``refusal``)."""
 
     __slots__ = ("cancelled", "code", "detail", "not_after")
 

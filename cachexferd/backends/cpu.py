@@ -317,8 +317,9 @@ def _empty_segment(name: str, identity: SegmentIdentity, dir_fd: int, shm_dir: s
 class WriteFence:
     """Copies into the runner's device blocks whose commands carry a ``not_after`` hold a
     shared flock on the daemon's open file description of the device segment (protocol 1.5,
-    docs/protocol.md §7.14), and check their ``not_after`` once they hold it. A client that gives up on a copy after its
-    ``not_after`` takes an exclusive flock without waiting on its own open file description:
+    docs/protocol.md §7.14), and check their ``not_after`` once they hold it. A client that
+    gives up on a copy after its ``not_after`` takes an exclusive flock without waiting on its
+    own open file description:
     if it gets it, no copy into its blocks is running and none can start (it would be too
     late), so it may reuse the blocks. The kernel drops the lock of a daemon that dies.
 

@@ -16,7 +16,10 @@ Never holding vLLM up:
   cannot land in blocks vLLM has reused since;
 - a daemon that has answered since is reading its socket, if slowly (starved of CPU): the
   job is waited for, up to three times ``max_stall_s``, since it will either run or be
-  refused (``not_after``); a store nobody waits for has ``transfer_timeout_s``.
+  refused (``not_after``); a store nobody waits for has ``transfer_timeout_s``;
+- a load given up is reported to vLLM (which recomputes, then reuses its GPU blocks) only
+  once no copy can land in them: its ``not_after`` has passed and, with a daemon that copies
+  inside the device fence, none is running (``_release_held``, client/fence.py).
 
 vLLM asserts that every transfer succeeds, so this worker always reports success and keeps
 what failed on the side: the connector hands failed loads' GPU blocks to vLLM's recompute
@@ -196,8 +199,8 @@ class CachexferdWorker(OffloadingWorker):
         now, stall = time.monotonic(), self.times.max_stall_s
         hard = now + (3 * stall if is_load else self.times.transfer_timeout_s)
         # not_after: a load is refused if the daemon reads it (or would start its copy) after
-        # we may have given up on it; a store, whose late copy harms nothing, when nobody
-        # waits for it any more. On the daemon's wall clock (same host).
+        # we may have given up on it; a store when nobody waits for it any more (one vLLM
+        # gave up on is scrubbed: _send_scrubs). On the daemon's wall clock (same host).
         not_after = time.time() + (stall if is_load else hard - now)
         device_ids = [int(b) for b in block_ids]
         job = _Job(job_id, is_load, list(keys), device_ids, hard, now + stall, not_after, owner or self.owner)
@@ -367,7 +370,7 @@ class CachexferdWorker(OffloadingWorker):
         if job.is_load:
             self._held.append(job)
             self._release_held()
-        else:  # a store's late copy only reads its GPU blocks
+        else:  # a store's late copy only reads its GPU blocks (its host blocks are scrubbed)
             self._settle(job)
 
     def _release_held(self, force: bool = False) -> None:
