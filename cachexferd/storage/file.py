@@ -71,7 +71,12 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 def object_path(root: str, name: str) -> str:
     """Where ``name`` lives under ``root`` (plain strings: pathlib costs microseconds per object)."""
-    digest = object_id(name).hex()
+    return id_path(root, object_id(name))
+
+
+def id_path(root: str, oid: bytes) -> str:
+    """Where the object whose id (its name's digest) is ``oid`` lives under ``root``."""
+    digest = oid.hex()
     return f"{root}/{digest[:2]}/{digest[2:4]}/{digest}"
 
 
@@ -83,7 +88,7 @@ class FileBackend(StorageBackend):
         self.root = root
         self.journal = FileJournal(str(root / _JOURNAL_DIR)) if journal else None
         self.fsync = fsync
-        self.index = EvictionIndex(capacity)
+        self.index: EvictionIndex[bytes] = EvictionIndex(capacity)  # objects by id
         self._root = str(root)
         self._tmp = str(root / _TMP_DIR)
         self._made: set[str] = set()  # fan-out dirs known to exist (set ops are atomic under the GIL)
@@ -137,34 +142,31 @@ class FileBackend(StorageBackend):
         self.index.merge(scanned, started)
         self._evict(self.index.victims())
 
-    def _evict(self, paths: list[str]) -> None:
-        for path in paths:
-            _unlink_quietly(path)
-        if paths:
-            log.debug("evicted %d objects from %s", len(paths), self.root)
-            self._record_removed([bytes.fromhex(os.path.basename(p)) for p in paths])
+    def _evict(self, ids: list[bytes]) -> None:
+        for oid in ids:
+            _unlink_quietly(id_path(self._root, oid))
+        if ids:
+            log.debug("evicted %d objects from %s", len(ids), self.root)
+            self._record_removed(ids)
 
     def learn(self, records: Sequence[Row]) -> None:
         """Indexes the objects other daemons on the directory store as soon as the journal
         says so (not at the next scan), so capacity and eviction count them; forgets removed ones."""
-        now, root, index = time.time_ns(), self._root, self.index
+        now, index = time.time_ns(), self.index
         sizes = list(map(SIZE_OF, records))
         if set(map(OP_OF, records)) == {STORED} and 0 not in sizes:  # the usual batch: stores only
-            paths = [f"{root}/{h[:2]}/{h[2:4]}/{h}" for h in map(bytes.hex, map(ID_OF, records))]
-            index.known_many(zip(paths, sizes, itertools.repeat(now)))
+            index.arrived(list(map(ID_OF, records)), sizes, now)
             return
-        new: list[tuple[str, int, int]] = []
+        new: list[tuple[bytes, int, int]] = []
         for op, oid, _, _, size in records:
-            digest = oid.hex()
-            path = f"{root}/{digest[:2]}/{digest[2:4]}/{digest}"
             if op == REMOVED:
-                index.discard(path)
+                index.discard(oid)
             elif size:  # stored just now: no need to ask the file system (known ones are skipped)
-                new.append((path, size, now))
-            elif path not in index:
+                new.append((oid, size, now))
+            elif oid not in index:
                 with contextlib.suppress(OSError):  # gone again already
-                    st = os.stat(path)
-                    new.append((path, st.st_size, st.st_mtime_ns))
+                    st = os.stat(id_path(self._root, oid))
+                    new.append((oid, st.st_size, st.st_mtime_ns))
         if new:
             index.known_many(new)
 
@@ -180,7 +182,7 @@ class FileBackend(StorageBackend):
     def _make_room(self, need: int, parent: str | None) -> bool:
         """After a full disk: evicts at least ``need`` bytes for an object after ``parent``
         (cut-off objects only, when it is cut off itself); False when there was nothing to evict."""
-        cut = parent is not None and not self.index.whole(object_path(self._root, parent))
+        cut = parent is not None and not self.index.whole(object_id(parent))
         victims = self.index.victims(need, cut_only=cut)
         self._evict(victims)
         return bool(victims)
@@ -200,29 +202,28 @@ class FileBackend(StorageBackend):
         """Pins the store's objects and the one they extend, evicts other chain tails to make
         room for them (capacity and free space), and returns how many leading objects fit."""
         self._ensure_root()
-        paths = [object_path(self._root, name) for name in names]
-        parent_path = self._indexed_parent(parent)
+        ids = list(map(object_id, names))
+        parent_id = self._indexed_parent(parent)
         free, block = self._disk_space()
-        room, victims = self.index.reserve(paths, object_bytes, free, block, parent_path)
+        room, victims = self.index.reserve(ids, object_bytes, free, block, parent_id)
         self._evict(victims)
         return room
 
     def end_store(self, names: list[str], parent: str | None = None) -> None:
-        parent_path = None if parent is None else object_path(self._root, parent)
-        self.index.release([object_path(self._root, name) for name in names], parent_path)
+        self.index.release(list(map(object_id, names)), None if parent is None else object_id(parent))
 
-    def _indexed_parent(self, parent: str | None) -> str | None:
-        """The parent's path, indexed when it is on disk but not yet known to the index
+    def _indexed_parent(self, parent: str | None) -> bytes | None:
+        """The parent's id, indexed when it is on disk but not yet known to the index
         (another daemon wrote it since the last scan): a store must know what it extends."""
         if parent is None:
             return None
-        path = object_path(self._root, parent)
-        if self.index.whole(path):
-            return path
+        oid = object_id(parent)
+        if self.index.whole(oid):
+            return oid
         with contextlib.suppress(OSError):
-            st = os.stat(path)
-            self.index.known(path, st.st_size, st.st_mtime_ns)
-        return path
+            st = os.stat(id_path(self._root, oid))
+            self.index.known(oid, st.st_size, st.st_mtime_ns)
+        return oid
 
     def _disk_space(self) -> tuple[int | None, int]:
         """(bytes free for this user, block size) of the file system; None when it cannot say."""
@@ -240,7 +241,7 @@ class FileBackend(StorageBackend):
         if not items:
             return []
         paths = [object_path(self._root, item.name) for item in items]
-        own = not self.index.pinned(paths[0])
+        own = not self.index.pinned(object_id(items[0].name))
         names, parent = [i.name for i in items], items[0].parent
         room = self.begin_store(names, HEADER_BYTES + len(items[0].payload), parent) if own else len(items)
         try:
@@ -276,8 +277,8 @@ class FileBackend(StorageBackend):
                 self._write(item, final)
             except OSError as again:
                 return self._put_failed(again), again.errno in _NO_SPACE
-        parent = object_path(self._root, item.parent) if item.parent is not None else None
-        self.index.used(final, size, item.stamp, parent)
+        parent = object_id(item.parent) if item.parent is not None else None
+        self.index.used(object_id(item.name), size, item.stamp, parent)
         return None, False
 
     def _write(self, item: PutItem, final: str) -> None:
@@ -348,8 +349,8 @@ class FileBackend(StorageBackend):
             return GetResult(GetStatus.FAILED, detail=exc.strerror or str(exc))
         finally:
             os.close(fd)
-        parent = object_path(self._root, item.parent) if item.parent is not None else None
-        self.index.used(object_path(self._root, item.name), received, item.stamp, parent)
+        parent = object_id(item.parent) if item.parent is not None else None
+        self.index.used(object_id(item.name), received, item.stamp, parent)
         return GetResult(GetStatus.OK, bytes(header), received)
 
     def exists(self, names: list[str]) -> list[bool]:
@@ -367,7 +368,7 @@ class FileBackend(StorageBackend):
         removed, failed = 0, []
         for name in names:
             path = object_path(self._root, name)
-            self.index.discard(path)
+            self.index.discard(object_id(name))
             try:
                 os.unlink(path)
                 removed += 1
@@ -427,18 +428,32 @@ def _read_object(fd: int, header: bytearray, payload: memoryview) -> int:
     return total
 
 
-def _scan_objects(root: str) -> list[tuple[str, int, int]]:
-    """(path, bytes, mtime in ns) of every object under ``root``'s two fan-out levels."""
-    found: list[tuple[str, int, int]] = []
+def _scan_objects(root: str) -> list[tuple[bytes, int, int]]:
+    """(id, bytes, mtime in ns) of every object under ``root``'s two fan-out levels. Files
+    whose name is not an object's (32 hex digits, in its fan-out directories) are not ours:
+    left alone, never counted or evicted."""
+    found: list[tuple[bytes, int, int]] = []
     for first in _subdirs(root):
         for second in _subdirs(first):
             with contextlib.suppress(OSError), os.scandir(second) as entries:
                 for entry in entries:
+                    oid = _object_id_of(entry.path)
                     with contextlib.suppress(OSError):  # removed while we looked
-                        if entry.is_file(follow_symlinks=False):
+                        if oid is not None and entry.is_file(follow_symlinks=False):
                             st = entry.stat(follow_symlinks=False)
-                            found.append((entry.path, st.st_size, st.st_mtime_ns))
+                            found.append((oid, st.st_size, st.st_mtime_ns))
     return found
+
+
+def _object_id_of(path: str) -> bytes | None:
+    """The id of the object stored at ``path``; None for a file that is not an object's."""
+    second, name = os.path.split(path)
+    try:
+        oid = bytes.fromhex(name)
+    except ValueError:
+        return None
+    root = os.path.dirname(os.path.dirname(second))
+    return oid if len(oid) == 16 and id_path(root, oid) == path else None
 
 
 def _subdirs(path: str) -> list[str]:

@@ -146,3 +146,82 @@ def test_an_extension_of_a_running_store_counts_as_whole() -> None:
     chain(index, ["old0", "old1"], now=1)
     room, evicted = index.reserve(["a4", "a5", "a6", "a7", "a8", "a9"], SIZE, parent="a3")
     assert room == 6 and evicted == ["old1", "old0"]  # a whole extension may evict other chains
+
+
+# Objects other daemons stored, learned from the journal in batches (``arrived``) ------------
+
+
+def test_arrived_objects_are_evicted_by_age_among_this_daemons_own() -> None:
+    index = scanned(EvictionIndex(0))
+    index.arrived(["x0", "x1"], [SIZE, SIZE], 1_000)
+    chain(index, ["a0", "a1"], now=2_000_000)
+    index.arrived(["y0", "x0"], [SIZE, SIZE], 3_000_000_000)  # x0 again: counted once, keeps its age
+    assert len(index) == 5 and index.total == 5 * SIZE and "x1" in index and "y0" in index
+    assert sorted(index.victims(need=2 * SIZE)) == ["x0", "x1"]
+    assert index.victims(need=3 * SIZE) == ["a1", "a0", "y0"]
+    assert len(index) == 0 and index.total == 0
+
+
+def test_cut_off_objects_go_before_arrived_ones() -> None:
+    index = scanned(EvictionIndex(0))
+    index.arrived(["x0"], [SIZE], 1_000)
+    chain(index, ["a1", "a2"], parent="a0", now=2_000_000_000)  # a0 never stored: cut off
+    assert index.victims(need=SIZE, cut_only=True) == ["a2"]
+    assert index.victims(need=2 * SIZE) == ["a1", "x0"]
+
+
+def test_an_arrived_object_used_here_takes_the_age_of_its_use() -> None:
+    index = scanned(EvictionIndex(0))
+    index.arrived(["x0", "x1"], [SIZE, SIZE], 1_000)
+    chain(index, ["a0"], now=2_000_000)
+    index.used("x0", SIZE, 3_000_000_000)  # read by this daemon: no longer among the oldest
+    assert index.victims(need=2 * SIZE) == ["x1", "a0"]
+    assert index.victims(need=SIZE) == ["x0"] and index.total == 0
+
+
+def test_an_arrived_object_extended_here_is_not_evicted_before_its_extension() -> None:
+    index = scanned(EvictionIndex(0))
+    index.arrived(["x0"], [SIZE], 1_000)
+    chain(index, ["x1"], parent="x0", now=2_000_000)
+    assert index.whole("x1")
+    assert index.victims(need=2 * SIZE) == ["x1", "x0"]
+
+
+def test_a_missing_parent_that_arrives_makes_its_extension_whole() -> None:
+    index = scanned(EvictionIndex(0))
+    chain(index, ["x1", "x2"], parent="x0")
+    assert not index.whole("x2")
+    index.arrived(["x0"], [SIZE], 1_000)  # another daemon stored the parent
+    assert index.whole("x2") and index.whole("x1")
+    assert index.victims(need=SIZE, cut_only=True) == []
+    assert index.victims(need=3 * SIZE) == ["x2", "x1", "x0"]
+
+
+def test_a_store_pins_the_arrived_object_it_extends_until_it_ends() -> None:
+    index = scanned(EvictionIndex(2 * SIZE))
+    index.arrived(["x0", "y0"], [SIZE, SIZE], 1_000)
+    room, evicted = index.reserve(["x1"], SIZE, parent="x0")
+    assert room == 1 and evicted == ["y0"]  # x0 is the parent: never the room for x1
+    index.release(["x1"], parent="x0")
+    assert index.victims(need=SIZE) == ["x0"]  # a candidate again once the store ended
+
+
+def test_arrived_objects_removed_forgotten_and_rescanned() -> None:
+    index = scanned(EvictionIndex(0))
+    index.arrived(["x0", "x1", "x2"], [SIZE, 2 * SIZE, 3 * SIZE], 1_000)
+    index.discard("x1")  # the journal says another daemon removed it
+    assert "x1" not in index and index.total == 4 * SIZE
+    index.merge([("x0", SIZE, 1_000)], started=10_000)  # x2 was gone at the scan
+    assert len(index) == 1 and index.total == SIZE and index.victims(need=SIZE) == ["x0"]
+
+
+def test_the_arrival_queue_does_not_grow_with_objects_gone_from_it() -> None:
+    """Objects promoted or removed leave stale places in the queue: compacted, never kept."""
+    index = scanned(EvictionIndex(0))
+    for batch in range(50):
+        keys = [f"b{batch}-{i}" for i in range(256)]
+        index.arrived(keys, [SIZE] * len(keys), 1_000 + batch)
+        for key in keys[:-1]:
+            index.discard(key)
+    assert len(index) == 50 and index._queued <= 2 * 50 + 4096
+    assert index.victims(need=2 * SIZE) == ["b0-255", "b1-255"]

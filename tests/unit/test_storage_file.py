@@ -172,3 +172,22 @@ def test_objects_and_directories_are_not_readable_by_all(tmp_path: Path) -> None
     path = Path(object_path(str(tmp_path / "store"), puts[0].name))
     assert stat.S_IMODE(path.stat().st_mode) == 0o640
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o750
+
+
+def test_a_scan_counts_and_evicts_objects_only(tmp_path: Path) -> None:
+    """Files in the fan-out directories that are not objects (a name that is no object id,
+    or an id under another id's directories) are never counted or evicted."""
+    size = HEADER_BYTES + BLOCK
+    fb = FileBackend(tmp_path, capacity=2 * size)
+    puts, _ = items(3)
+    fb.put(puts[:2], NO_STOP)
+    first = Path(object_path(str(tmp_path), puts[0].name))
+    strays = [first.parent / "notes.txt", first.parent / ("0" * 32)]  # "00…" lives under 00/00/
+    for stray in strays:
+        stray.write_bytes(bytes(10 * size))
+    fb.rescan()
+    assert fb.describe()["objects"] == 2 and fb.index.total == 2 * size
+    fb.put(puts[2:], NO_STOP)  # over the capacity: an object makes room, never a stray file
+    assert all(stray.stat().st_size == 10 * size for stray in strays)
+    assert fb.describe()["objects"] == 1 and not first.exists()  # down to 90% of the capacity
+    assert Path(object_path(str(tmp_path), puts[2].name)).is_file()

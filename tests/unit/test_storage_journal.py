@@ -201,16 +201,15 @@ def test_the_file_backend_indexes_what_other_daemons_stored_and_forgets_what_the
     """``learn``: a batch of stores (the usual) and a mixed batch give the same index: every
     stored object once, with its size; a removal forgets it; a record without a size whose
     file is gone is skipped."""
-    from cachexferd.storage.file import FileBackend, object_path
+    from cachexferd.storage.file import FileBackend
 
     backend = FileBackend(tmp_path / "s")
-    root = str(backend._root)
     names = [f"w0/k{i}" for i in range(4)]
     rows = [(STORED, object_id(n), n, b"", 100 + i) for i, n in enumerate(names)]
     backend.learn(rows[:3])  # stores only
     backend.learn(rows[2:])  # k2 again: counted once
-    assert all(object_path(root, n) in backend.index for n in names) and backend.index.total == sum(range(100, 104))
+    assert all(object_id(n) in backend.index for n in names) and backend.index.total == sum(range(100, 104))
     backend.learn([(REMOVED, object_id(names[0]), "", b"", 0), (STORED, object_id("w0/x"), "w0/x", b"", 0)])
-    assert object_path(root, names[0]) not in backend.index, "removed"
-    assert object_path(root, "w0/x") not in backend.index, "no size and no file: skipped"
+    assert object_id(names[0]) not in backend.index, "removed"
+    assert object_id("w0/x") not in backend.index, "no size and no file: skipped"
     assert backend.index.total == sum(range(101, 104)) and len(backend.index) == 3

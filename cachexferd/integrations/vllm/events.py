@@ -67,7 +67,7 @@ class TierEvents:
                 resident.difference_update(hashes)
             else:
                 resident.update(hashes)
-            keys = [self._keys[d] for d in hashes if d in self._keys]
+            keys = list(filter(None, map(self._keys.get, hashes)))  # in C; a key is never empty
             if keys:
                 self._pending.append(OffloadingEvent(keys=keys, medium=_MEDIUM[event.tier], removed=event.removed))
                 self._pending_blocks += len(keys)
