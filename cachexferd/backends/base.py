@@ -96,8 +96,10 @@ class DeviceCache(ABC):
     inline_bytes: int = 0
     # How a client can tell that no copy into its device blocks is running (protocol 1.5,
     # ATTACH result ``device_fence``): "flock" (device writes hold a shared flock on the
-    # device segment), or None.
+    # device segment), or None; and (1.6, ``device_fence_reads``) whether copies out of its
+    # device blocks hold it too.
     fence: str | None = None
+    fence_reads: bool = False
 
     @abstractmethod
     async def swap(

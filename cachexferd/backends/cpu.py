@@ -164,7 +164,7 @@ def validate_offsets(offsets: Any, layout: KVLayout, segment_bytes: int) -> list
 
 class Segment(NamedTuple):
     """A mapped device segment, and the descriptor it stays open by: the daemon's own open
-    file description of it, which the device fence (``WriteFence``) locks."""
+    file description of it, which the device fence (``CopyFence``) locks."""
 
     storage: torch.UntypedStorage
     size: int
@@ -314,14 +314,16 @@ def _empty_segment(name: str, identity: SegmentIdentity, dir_fd: int, shm_dir: s
     return "emptied"
 
 
-class WriteFence:
-    """Copies into the runner's device blocks whose commands carry a ``not_after`` hold a
-    shared flock on the daemon's open file description of the device segment (protocol 1.5,
-    docs/protocol.md §7.14), and check their ``not_after`` once they hold it. A client that
-    gives up on a copy after its ``not_after`` takes an exclusive flock without waiting on its
-    own open file description:
-    if it gets it, no copy into its blocks is running and none can start (it would be too
-    late), so it may reuse the blocks. The kernel drops the lock of a daemon that dies.
+class CopyFence:
+    """Copies into or out of the runner's device blocks whose commands carry a ``not_after``
+    hold a shared flock on the daemon's open file description of the device segment
+    (protocol 1.5 and 1.6, docs/protocol.md §7.14), and check their ``not_after`` once they
+    hold it. A client that gives up on a copy after its ``not_after`` takes an exclusive flock
+    without waiting on its own open file description: if it gets it, no copy of its blocks
+    is running and none can start (it would be too late), so it may reuse the blocks. A
+    client may also keep that lock until the ``not_after`` of the copies it gave up has
+    passed: copy threads wait for it meanwhile (never the event loop). The kernel drops the
+    lock of a process that dies.
 
     The copy threads share one lock: the first to enter takes it, the last to leave drops it."""
 
@@ -361,6 +363,7 @@ class WriteFence:
 class CpuDeviceCache(BatchedDeviceCache):
     inline_bytes = _INLINE_BYTES
     fence = "flock"
+    fence_reads = True
 
     def __init__(
         self, backend: CpuBackend, layout: KVLayout, device: dict[str, Any], host: torch.Tensor, requester: Requester
@@ -368,7 +371,7 @@ class CpuDeviceCache(BatchedDeviceCache):
         name, fd, wire_offsets = decode_device(device)
         segment = open_device_segment(name, fd, requester)
         self.identity = segment.identity
-        self.fence_lock = WriteFence(segment.fd)
+        self.fence_lock = CopyFence(segment.fd)
         try:
             self.layout = layout
             self.segment = name if name is not None and self.identity is not None else ""
@@ -414,7 +417,7 @@ class CpuDeviceCache(BatchedDeviceCache):
         return results
 
     def swap_now(self, direction: Direction, requests: Sequence[SwapRequest]) -> list[BaseException | None]:
-        fenced = _fenced(direction, [r.cancel for r in requests])
+        fenced = _fenced([r.cancel for r in requests])
         if fenced and not self.fence_lock.enter(wait=False):  # never wait on the loop thread
             raise InlineBusy("a client holds the device fence")
         try:
@@ -436,8 +439,8 @@ class CpuDeviceCache(BatchedDeviceCache):
     def _copy_shard(
         self, direction: Direction, items: list[CopyItem], cancels: list[CancelToken]
     ) -> dict[int, ProtocolError]:
-        """Runs on a worker thread; copies into device blocks inside the device fence."""
-        if not _fenced(direction, cancels):
+        """Runs on a worker thread; copies of device blocks go inside the device fence."""
+        if not _fenced(cancels):
             return self._copy_items(direction, items, cancels)
         self.fence_lock.enter()
         try:
@@ -528,10 +531,11 @@ class CpuBackend(Backend):
             pool.shutdown(wait=True)
 
 
-def _fenced(direction: Direction, cancels: Sequence[CancelToken]) -> bool:
-    """Whether copies go inside the device fence: into device blocks, for a client that
-    may give up on them (it sent a ``not_after``). Others skip its two system calls."""
-    return direction is Direction.H2D and any(c.not_after < math.inf for c in cancels)
+def _fenced(cancels: Sequence[CancelToken]) -> bool:
+    """Whether copies go inside the device fence: for a client that may give up on them (it
+    sent a ``not_after``), in both directions (1.6: a copy out of device blocks the client
+    has reused since would put other KV in the host blocks). Others skip its system calls."""
+    return any(c.not_after < math.inf for c in cancels)
 
 
 def _block_pairs(requests: Sequence[SwapRequest], to_host: bool) -> tuple[list[int], list[int]] | None:

@@ -138,6 +138,7 @@ class DeviceSlot:
             "host_block_bytes": geometry.block_bytes,
             "fingerprint": layout.fingerprint(),
             "device_fence": self.cache.fence,  # 1.5: how a client knows no copy into its blocks runs
+            "device_fence_reads": self.cache.fence_reads,  # 1.6: nor out of them
         }
 
     def detach(self, reason: str, drain_timeout_s: float) -> Awaitable[dict[str, Any]]:

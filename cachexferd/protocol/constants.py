@@ -13,7 +13,8 @@ PROTOCOL_MAJOR = 1
 # 1.1: BATCH and EVENT_BATCH, PAUSE/RESUME/SET_WEIGHTS; 1.2: optional fields; 1.3: host blocks' identity keys;
 # 1.4: the storage journal (STORE tags, STORAGE_EVENTS)
 # 1.5: device writes never start after their not_after; the device fence (ATTACH device_fence)
-PROTOCOL_MINOR = 5  # (docs/protocol.md §11)
+# 1.6: the device fence covers device reads too (ATTACH device_fence_reads); a client may hold it
+PROTOCOL_MINOR = 6  # (docs/protocol.md §11)
 HEADER_LEN = 4  # MAGIC (2 bytes) + major (u8) + message type (u8)
 
 

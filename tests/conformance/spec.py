@@ -11,7 +11,7 @@ from enum import IntEnum
 
 MAGIC = b"CX"
 MAJOR = 1
-MINOR = 5
+MINOR = 6
 
 
 class T(IntEnum):

@@ -228,6 +228,7 @@ def test_attach_and_detach(main: DaemonProc, connect: ClientFactory, shm: CacheF
         "fingerprint": fingerprint(LAYOUT),
         "weights_version": 0,  # (1.2)
         "device_fence": "flock",  # (1.5, the cpu backend)
+        "device_fence_reads": True,  # (1.6)
     }
     done = client.call(T.DETACH)
     assert done.ok and done.body["op"] == T.DETACH

@@ -1,7 +1,8 @@
-"""The device fence (protocol 1.5, docs/protocol.md §7.14): a swap never starts after its
-``not_after``, a copy into device blocks runs inside a shared flock of the device segment
-(so a client that gives up on it can tell when no such copy can land any more), and a
-SWAP_OUT that ends after its ``not_after`` sets no identity keys.
+"""The device fence (protocol 1.5 and 1.6, docs/protocol.md §7.14): a swap never starts after
+its ``not_after``, a copy into or out of device blocks runs inside a shared flock of the
+device segment (so a client that gives up on it can tell when no such copy can run any
+more, or hold the fence until none may start), and a SWAP_OUT that ends after its
+``not_after`` sets no identity keys.
 
 A real daemon process, a runner's shared-memory cache and real sockets; a test that holds
 the fence does what a client does while it checks it (exclusively), for much longer."""
@@ -73,6 +74,41 @@ def test_a_swap_in_waits_for_the_fence_and_never_starts_after_its_not_after(spaw
         assert codes(engine, [late, in_time]) == [ErrorCode.EXPIRED, ErrorCode.OK]
         assert_moved(cache, [6], stored, [1])
         assert_untouched(cache, before, [6])  # block 5 too: the late copy never landed
+
+
+def test_a_swap_out_waits_for_a_fence_its_client_holds_and_never_starts_after_its_not_after(
+    spawn_daemon: Any,
+) -> None:
+    """1.6: copies out of device blocks go inside the fence too. A client that gave up on a
+    SWAP_OUT and reused its blocks holds the fence until the command's ``not_after``: the
+    copy waits, is then too late, and its host block keeps neither the new bytes nor keys."""
+    with attached(spawn_daemon, SMALL, seed=5) as (cache, engine, result):
+        assert result["device_fence_reads"] is True
+        assert codes(engine, [engine.submit(MsgType.SWAP_OUT, {"device_ids": [0], "host_ids": [0]})]) == [0]
+        stored = snapshot(cache)
+        fence = DeviceFence(cache.path)
+        try:
+            now = time.time()
+            assert fence.hold_until(now + 0.3)
+            late = engine.submit(MsgType.SWAP_OUT, {"device_ids": [3], "host_ids": [0], "keys": ["k3"],
+                                                    "not_after": now + 0.3})  # fmt: skip
+            in_time = engine.submit(MsgType.SWAP_OUT, {"device_ids": [4], "host_ids": [1], "not_after": now + 60})
+            time.sleep(0.6)
+            assert not engine.poll(), "a copy out of device blocks ran while the fence was held"
+            fence.release_if_due()
+            assert not fence.held
+        finally:
+            fence.close()
+        assert codes(engine, [late, in_time]) == [ErrorCode.EXPIRED, ErrorCode.OK]
+        fill_random(cache, seed=6)
+        before = snapshot(cache)
+        back = engine.submit(MsgType.SWAP_IN, {"device_ids": [8, 9], "host_ids": [0, 1]})
+        assert codes(engine, [back]) == [ErrorCode.OK]
+        assert_moved(cache, [8], stored, [0])  # host block 0 kept what the first SWAP_OUT wrote
+        assert_moved(cache, [9], stored, [4])
+        assert_untouched(cache, before, [8, 9])
+        keyed = engine.submit(MsgType.SWAP_IN, {"device_ids": [10], "host_ids": [0], "keys": ["k3"]})
+        assert codes(engine, [keyed]) == [ErrorCode.HOST_BLOCK_CHANGED], "the late SWAP_OUT's key was set"
 
 
 def test_a_client_sees_the_fence_held_while_a_copy_runs_and_free_after(spawn_daemon: Any) -> None:

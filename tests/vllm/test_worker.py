@@ -33,6 +33,8 @@ from .rig import metric, ops, start_daemon, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
 STALL = 0.4
+TRANSFER_TIMEOUT = 5.0  # the rig's, a store's not_after
+PATIENT_STALL = 6.0  # longer than a link survives a daemon that answers nothing
 NAMES = VllmKeyNames.create(model="m", weights_version="0", dtype="float16", layout="test", tokens_per_block={0: 4},
                             tp_size=1)  # fmt: skip
 
@@ -44,7 +46,7 @@ def rig(cx_root: Path) -> Iterator[tuple[DaemonProcess, ShmKVCache, CachexferdWo
     cache = ShmKVCache(SMALL)
     conn = DaemonConnection([daemon.endpoint], name="t", transfer_timeout_s=5, connect_timeout_s=5,
                             retry_interval_s=0.2, lost_after_s=30, slow_after_s=30, cache=cache)  # fmt: skip
-    worker = CachexferdWorker(conn, NAMES, 0, WorkerTimes(STALL, 5.0), owner="test-owner")
+    worker = CachexferdWorker(conn, NAMES, 0, WorkerTimes(STALL, TRANSFER_TIMEOUT), owner="test-owner")
     assert conn.start()
     yield daemon, cache, worker
     worker.shutdown()
@@ -171,6 +173,112 @@ def test_a_store_given_up_leaves_its_host_block_without_identity_keys(
         worker.get_finished()
         time.sleep(0.05)
     assert 51 not in keyed_host_blocks(daemon), "a host block a given-up store wrote kept its identity key"
+
+
+def expired(daemon: DaemonProcess, op: str) -> float:
+    return metric(daemon, "cachexferd_commands_total", op=op, outcome="expired")
+
+
+def test_a_store_given_up_with_its_link_is_never_copied_from_blocks_vllm_reuses(
+    rig: tuple[DaemonProcess, ShmKVCache, CachexferdWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon starved of CPU: its link drops (heartbeats unanswered) with a SWAP_OUT still
+    queued, whose outcome is unknown. vLLM reuses the GPU block once the store is reported.
+    When the daemon runs again, the SWAP_OUT must not copy the block's new contents into the
+    host block under the old block's identity key: an index rebuilt after the reconnection
+    (or a restarted engine) would adopt and load it. So the store is reported only once no
+    copy of its block can run: after its ``not_after``, the fence free."""
+    daemon, cache, worker = rig
+    worker.get_finished(), worker.take_failed_keys(), worker.take_invalid_block_ids()  # earlier tests' leftovers
+    wait_for(lambda: worker.conn.usable, 10, "the worker to be connected")
+    late = expired(daemon, "swap_out")
+    monkeypatch.setattr(liveness, "process_state", lambda pid: "alive")  # starved, not stopped
+    daemon.signal(signal.SIGSTOP)
+    try:
+        submitted = time.monotonic()
+        assert worker.submit_store(61, gpu([10]), HostStoreSpec([key(61)], [61]))
+        seconds = finished(worker, 61, 20, start=submitted)
+        assert seconds >= TRANSFER_TIMEOUT, f"the store was reported after {seconds:.2f}s, before its not_after"
+        assert worker.take_failed_keys() == [key(61)], "the manager must forget the key"
+        cache.block_bytes(0, 10).fill_(0x5A)  # vLLM reuses the block for another request
+    finally:
+        daemon.signal(signal.SIGCONT)
+    wait_for(lambda: expired(daemon, "swap_out") == late + 1, 20, "the late SWAP_OUT to be refused")
+    assert 61 not in keyed_host_blocks(daemon), "a store given up with its link copied a reused block under its key"
+
+
+@pytest.fixture
+def patient(cx_root: Path) -> Iterator[tuple[DaemonProcess, ShmKVCache, CachexferdWorker]]:
+    """A worker that waits longer for a load (PATIENT_STALL) than its link survives a daemon
+    that answers nothing (heartbeats), as the plug-in on a loaded machine is configured."""
+    daemon = start_daemon(cx_root, "patient", cx_root / "patient-storage")
+    cache = ShmKVCache(SMALL)
+    conn = DaemonConnection([daemon.endpoint], name="p", transfer_timeout_s=PATIENT_STALL + 2, connect_timeout_s=5,
+                            retry_interval_s=0.2, lost_after_s=60, slow_after_s=60, cache=cache)  # fmt: skip
+    worker = CachexferdWorker(conn, NAMES, 0, WorkerTimes(PATIENT_STALL, PATIENT_STALL + 2), owner="patient")
+    assert conn.start()
+    try:
+        yield daemon, cache, worker
+    finally:
+        worker.shutdown()
+        daemon.stop()
+        cache.close()
+
+
+def test_a_load_whose_link_drops_is_held_until_its_late_copy_cannot_land(
+    patient: tuple[DaemonProcess, ShmKVCache, CachexferdWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The link drops before the load's ``not_after``: the daemon may still copy into the
+    GPU block when it runs again. vLLM must not get the block back (and recompute into it)
+    before no copy can land."""
+    daemon, cache, worker = patient
+    assert worker.submit_store(1, gpu([3]), HostStoreSpec([key(1)], [5]))
+    finished(worker, 1, 10)
+    late = expired(daemon, "swap_in")
+    monkeypatch.setattr(liveness, "process_state", lambda pid: "alive")
+    daemon.signal(signal.SIGSTOP)
+    try:
+        submitted = time.monotonic()
+        assert worker.submit_load(2, HostLoadSpec("r", [key(1)], [5], [False]), gpu([9]))
+        seconds = finished(worker, 2, 30, start=submitted)
+        assert seconds >= PATIENT_STALL, f"the load was handed back after {seconds:.2f}s, before its not_after"
+        assert worker.take_invalid_block_ids() == {9}, "vLLM must recompute the block"
+        cache.block_bytes(0, 9).fill_(0x5A)  # what vLLM computed into it
+    finally:
+        daemon.signal(signal.SIGCONT)
+    wait_for(lambda: expired(daemon, "swap_in") == late + 1, 20, "the late SWAP_IN to be refused")
+    assert bool((cache.block_bytes(0, 9) == 0x5A).all()), "a late copy landed in a block vLLM recomputed"
+
+
+def test_a_store_waited_for_after_its_link_dropped_is_handed_back_with_the_fence_held(
+    patient: tuple[DaemonProcess, ShmKVCache, CachexferdWorker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM waits for a store (it reuses the block right after) whose link has dropped: the
+    worker cannot wait for its ``not_after``, so it holds the device fence until then: no
+    copy of the block starts meanwhile, and the SWAP_OUT is too late once it may."""
+    daemon, cache, worker = patient
+    late = expired(daemon, "swap_out")
+    monkeypatch.setattr(liveness, "process_state", lambda pid: "alive")
+    daemon.signal(signal.SIGSTOP)
+    try:
+        assert worker.submit_store(3, gpu([10]), HostStoreSpec([key(3)], [7]))
+        wait_for(lambda: not worker.get_finished() and worker.stats["given_up"] == 0 and _link_dropped(worker), 20,
+                 "the link to drop")  # fmt: skip
+        start = time.monotonic()
+        worker.wait({3})
+        assert time.monotonic() - start < 1.0, "wait() must hand the blocks back at once"
+        assert worker.take_failed_keys() == [key(3)], "the manager must forget the key"
+        cache.block_bytes(0, 10).fill_(0x5A)  # vLLM reuses the block
+    finally:
+        daemon.signal(signal.SIGCONT)
+    wait_for(lambda: (worker.get_finished() or True) and expired(daemon, "swap_out") == late + 1, 30,
+             "the late SWAP_OUT to be refused once the fence is free")  # fmt: skip
+    assert 7 not in keyed_host_blocks(daemon), "the late SWAP_OUT set the identity key of a reused block"
+
+
+def _link_dropped(worker: CachexferdWorker) -> bool:
+    """Whether the store's outcome is known to be lost with its link (it is held)."""
+    return any(job.link_lost for job in worker._held)
 
 
 BATCH_METRICS = ("cachexferd_batches_total", "cachexferd_batched_commands_total", "cachexferd_grouped_swaps_total")

@@ -48,6 +48,10 @@ LINK_ERRORS = frozenset({ErrorCode.DAEMON_LOST, ErrorCode.SEND_FAILED})
 GEOMETRY_POLL_S = 0.1  # STATUS polls while a new connection's runner attaches
 UNREACHABLE_LOG_S = 60.0  # how often an unreachable daemon is named again
 CONNECTION_ERRORS = RESTART_ERRORS | LINK_ERRORS
+# Failures after which the daemon may still run the command: its link dropped with it in
+# flight, or the client stopped waiting. (A send that failed never left; a restarted daemon
+# lost its queue with its process.)
+OUTCOME_UNKNOWN = frozenset({ErrorCode.DAEMON_LOST, ErrorCode.CLIENT_TIMEOUT})
 
 
 class DaemonConnection:
@@ -82,6 +86,7 @@ class DaemonConnection:
         # Whether a daemon this connection attached to makes device writes inside the device
         # fence (protocol 1.5, ATTACH ``device_fence``; client/fence.py).
         self.device_fence = False
+        self.device_fence_reads = False  # (1.6, ATTACH ``device_fence_reads``) copies out of them too
         self.lock = threading.RLock()
         self.client: EngineClient | None = None
         self.runner: RunnerClient | None = None
@@ -326,6 +331,8 @@ class DaemonConnection:
             raise
         if attached.get("device_fence") == "flock":  # 1.5; never unset: an older daemon may still copy
             self.device_fence = True
+        # What this daemon does (an older one that replaced it is gone with its copies).
+        self.device_fence_reads = self.device_fence and attached.get("device_fence_reads") is True
         return runner
 
     # Losing and closing -------------------------------------------------------------------------

@@ -17,9 +17,12 @@ Never holding vLLM up:
 - a daemon that has answered since is reading its socket, if slowly (starved of CPU): the
   job is waited for, up to three times ``max_stall_s``, since it will either run or be
   refused (``not_after``); a store nobody waits for has ``transfer_timeout_s``;
-- a load given up is reported to vLLM (which recomputes, then reuses its GPU blocks) only
-  once no copy can land in them: its ``not_after`` has passed and, with a daemon that copies
-  inside the device fence, none is running (``_release_held``, client/fence.py).
+- a job given up, or whose outcome is unknown (its link dropped with it in flight: the
+  daemon, starved of CPU, may still run it), is reported to vLLM (which recomputes a load's
+  blocks, and reuses the blocks of both) only once no copy of its GPU blocks can run any
+  more: its ``not_after`` has passed and, with a daemon that copies inside the device fence,
+  none is running (``_release_held``, client/fence.py). A store vLLM waits for cannot wait
+  that long: the worker holds the fence until its ``not_after`` instead (``wait``).
 
 vLLM asserts that every transfer succeeds, so this worker always reports success and keeps
 what failed on the side: the connector hands failed loads' GPU blocks to vLLM's recompute
@@ -44,7 +47,7 @@ from ...client import EngineClient
 from ...client.fence import DeviceFence
 from ...client.pending import Completion
 from ...protocol import MsgType
-from ..engine.connection import RESTART_ERRORS, DaemonConnection
+from ..engine.connection import OUTCOME_UNKNOWN, RESTART_ERRORS, DaemonConnection
 from ..engine.failures import FailureLog
 from .adoption import speaks_keys
 from .journal_feed import speaks_journal
@@ -70,8 +73,9 @@ class _Job:
     parts: int = 0  # daemon commands not yet completed
     failed: bool = False
     nbytes: int = 0
-    given_up: str = ""  # why, once given up; a load is held until no copy into its blocks can run
+    given_up: str = ""  # why, once given up; held until no copy of its blocks can run (_release_held)
     unsettled: list[_Part] = field(default_factory=list)  # its parts without an outcome, when given up
+    link_lost: bool = False  # given up with its link: nothing sent after it is ordered after it
 
     @property
     def kind(self) -> str:
@@ -116,10 +120,10 @@ class CachexferdWorker(OffloadingWorker):
         self._jobs: dict[int, _Job] = {}  # vLLM job_id -> job in flight
         self._finished: list[TransferResult] = []
         self._writes: list[_Write] = []  # write-through STOREs to send
-        self._held: list[_Job] = []  # loads given up whose GPU blocks a copy might still reach
+        self._held: list[_Job] = []  # jobs given up whose GPU blocks a copy might still reach
         # SWAP_OUTs given up, as (GPU blocks, host blocks): scrubbed once the daemon answers (_send_scrubs)
         self._scrubs: list[tuple[list[int], list[int]]] = []
-        self._fence: DeviceFence | None = None  # opened when a daemon says it fences its device writes
+        self._fence: DeviceFence | None = None  # opened when a daemon says it fences its device copies
         self.invalid_block_ids: set[int] = set()  # GPU blocks whose load failed (for recompute)
         self.failed_keys: list[OffloadKey] = []  # offload keys that are not where the manager thinks
         self.failed_load_reqs: set[str] = set()  # requests a load of which failed (for recompute)
@@ -281,10 +285,28 @@ class CachexferdWorker(OffloadingWorker):
                 if client is None or stalled or waited > 3 * self.times.max_stall_s:
                     why = why or f"not done after {waited:.2f}s"
                     for job_id in job_ids:
-                        self._give_up(job_id, why)
+                        self._give_up(job_id, why, link_lost=client is None)
                     break
                 self._file(client.poll(timeout_ms=10))
+            self._hand_back({j for j in job_ids if j in self._jobs})
             self._send_writes()
+
+    def _hand_back(self, job_ids: set[int]) -> None:
+        """vLLM reuses these jobs' GPU blocks once ``wait`` returns: jobs held (given up, a
+        copy of their blocks may still run) are settled now, the device fence held until
+        their ``not_after`` so that none can (``DeviceFence.hold_until``). A copy running this
+        very moment leaves only the older remedy: scrub their host blocks (``_send_scrubs``)."""
+        jobs = [job for job in self._held if job.job_id in job_ids]
+        if not jobs:
+            return
+        # A scrub sent on the link a job went out on is read after it; one for a job whose
+        # link dropped is not (its command may still wait in the daemon's socket): the fence.
+        lost = [job.not_after for job in jobs if job.link_lost]
+        fence = self._open_fence() if lost else None
+        fenced = fence is not None and fence.hold_until(max(lost))
+        for job in jobs:
+            self._settle(job, scrub=not (job.link_lost and fenced))
+        self._held = [job for job in self._held if job.job_id not in job_ids]
 
     def _file(self, completions: list[Completion]) -> None:
         for done in completions:
@@ -299,6 +321,12 @@ class CachexferdWorker(OffloadingWorker):
                 self.conn.lose(done.describe())
                 self._fail_all(f"connection lost: {done.describe()}")
                 return
+            if not done.ok and codes & OUTCOME_UNKNOWN and part.job is not None:
+                # The daemon may still run it (its link dropped, or we stopped waiting): a
+                # job given up, held until no copy of its blocks can run (_release_held).
+                self._parts[done.req_id] = part
+                self._give_up(part.job.job_id, done.describe(), link_lost=True)
+                continue
             self._complete_part(part, done)  # a link error fails this command only
 
     def _complete_part(self, part: _Part, done: Completion) -> None:
@@ -355,32 +383,37 @@ class CachexferdWorker(OffloadingWorker):
             if job.deadline < now or (job.is_load and silent):
                 self._give_up(job.job_id, f"not done after {now - job.started:.2f}s")
 
-    def _give_up(self, job_id: int, why: str) -> None:
-        """Stops waiting for a job's outcome. A load stays in flight for vLLM (its request
-        waits) until no copy into its GPU blocks can land any more (``_release_held``):
-        vLLM recomputes those blocks, then reuses them for other requests."""
+    def _give_up(self, job_id: int, why: str, link_lost: bool = False) -> None:
+        """Stops waiting for a job's outcome. It stays in flight for vLLM (a load's request
+        waits, a store's blocks stay allocated) until no copy of its GPU blocks can run any
+        more (``_release_held``): vLLM then recomputes a load's blocks, and reuses the blocks
+        of both. A store without a fence on device reads is settled at once: its host blocks
+        are scrubbed instead (a late copy only reads its GPU blocks)."""
         job = self._jobs.get(job_id)
         if job is None or job.given_up:
             return
-        job.given_up = why
+        job.given_up, job.link_lost = why, link_lost
         for rid, part in list(self._parts.items()):
             if part.job is job:
                 del self._parts[rid]
                 job.unsettled.append(part)
-        if job.is_load:
+        if job.is_load or self.conn.device_fence_reads:
             self._held.append(job)
             self._release_held()
-        else:  # a store's late copy only reads its GPU blocks (its host blocks are scrubbed)
-            self._settle(job)
+        else:
+            self._settle(job, scrub=True)
 
     def _release_held(self, force: bool = False) -> None:
-        """Settles the given-up loads that no copy can reach any more: their ``not_after`` has
-        passed (the daemon starts no copy after it) and, with a daemon that copies inside the
-        device fence, none is running now (client/fence.py). Without a fence (a cuda daemon,
-        whose copies run on the GPU once issued; an older daemon) the first is all we know."""
+        """Settles the given-up jobs whose GPU blocks no copy can reach any more: their
+        ``not_after`` has passed (the daemon starts no copy after it) and, with a daemon that
+        copies inside the device fence, none is running now (client/fence.py). Without a fence
+        (a cuda daemon, whose copies run on the GPU once issued; an older daemon) the first is
+        all we know. Lets copies run again once the fence was held long enough (``_hand_back``)."""
+        now = time.time()
+        if self._fence is not None:
+            self._fence.release_if_due(now)
         if not self._held:
             return
-        now = time.time()
         due = self._held if force else [job for job in self._held if now > job.not_after]
         if not due or not (force or self._device_quiet()):
             return
@@ -390,19 +423,25 @@ class CachexferdWorker(OffloadingWorker):
         self._held = [job for job in self._held if id(job) not in settled]
 
     def _device_quiet(self) -> bool:
+        fence = self._open_fence()
+        return True if fence is None else fence.quiet()
+
+    def _open_fence(self) -> DeviceFence | None:
+        """Our side of the device fence; None when the daemon keeps none."""
         if not self.conn.device_fence:
-            return True
+            return None
         if self._fence is None:
             path = getattr(self.conn.cache, "fence_path", None)
             if path is None:
-                return True
+                return None
             self._fence = DeviceFence(path())
-        return self._fence.quiet()
+        return self._fence
 
-    def _settle(self, job: _Job) -> None:
+    def _settle(self, job: _Job, scrub: bool = False) -> None:
+        """Reports a given-up job failed; ``scrub``: a copy out of its blocks may still run."""
         for part in job.unsettled:
             self._fail_part(part, job.given_up)
-            if part.op is MsgType.SWAP_OUT and speaks_keys(self.conn.hellos):
+            if scrub and part.op is MsgType.SWAP_OUT and speaks_keys(self.conn.hellos):
                 self._scrubs.append((part.device_ids, part.host_ids))
         job.unsettled = []
         self.stats["given_up"] += 1
@@ -424,9 +463,9 @@ class CachexferdWorker(OffloadingWorker):
         return True  # vLLM asserts on False; the failure travels on the side
 
     def _fail_all(self, why: str, force: bool = False) -> None:
-        """Gives up every job (``force``: loads too at once, when nothing will reuse their blocks)."""
+        """Gives up every job (``force``: settles held ones too at once, when nothing will reuse their blocks)."""
         for job in list(self._jobs.values()):
-            self._give_up(job.job_id, why)
+            self._give_up(job.job_id, why, link_lost=True)
         self._parts.clear()  # storage writes nobody waits for
         self._writes.clear()
         self._scrubs.clear()  # for a daemon that may have restarted: its host blocks are another index's now
