@@ -153,17 +153,24 @@ def loaded(case: Case) -> list[float]:
 
 
 def test_returning_prompts_come_back_cached_with_vllms_tokens(case: Case) -> None:
-    first = run_all(case)
+    m = manager(case)
+    first: list[int] = []
+    for _ in range(3):  # a link that drops (a loaded machine) fails transfers: recomputed, then tried again
+        marks = (m.stats["failed"], m.stats["rebuilds"])
+        stored = run_all(case)
+        first = first or stored
+        settle(case)
+        reset_gpu_cache(case.llm)
+        before = loaded(case)
+        again = run_all(case)  # tokens are checked in every pass
+        after = loaded(case)
+        if (m.stats["failed"], m.stats["rebuilds"]) == marks:
+            break
     assert all(cached == 0 for cached in first)
-    settle(case)
-    reset_gpu_cache(case.llm)
-    before = loaded(case)
-    again = run_all(case)
     # Most, not all: on a loaded 2-core machine one prompt's load may miss and be recomputed
     # (seen once in CI for the GDN model, [768, 768, 0]); tokens are checked on every prompt.
     hits = sum(cached >= case.kind.block for cached in again)
     assert hits >= len(again) - 1 and hits >= 2, f"cached tokens per prompt: {again}"
-    after = loaded(case)
     assert all(a > b for a, b in zip(after, before)), f"SWAP_INs per rank before {before}, after {after}"
 
 

@@ -139,10 +139,6 @@ class DaemonConnection:
     def generations(self) -> list[int | None]:
         return [p.generation for p in self._probes]
 
-    def daemon_pids(self) -> list[int | None]:
-        """Each daemon's process id, where it is a daemon on this host (else None)."""
-        return [p.pid for p in self._probes]
-
     def weights_versions(self) -> list[int | None]:
         """Each daemon's weights version: host blocks written under another one are never loaded."""
         return [p.weights_version for p in self._probes]

@@ -47,7 +47,6 @@ from ...client import EngineClient
 from ...client.fence import DeviceFence
 from ...client.pending import Completion
 from ...protocol import MsgType
-from ..engine import liveness
 from ..engine.connection import OUTCOME_UNKNOWN, RESTART_ERRORS, DaemonConnection
 from ..engine.failures import FailureLog
 from .adoption import speaks_keys
@@ -77,7 +76,6 @@ class _Job:
     given_up: str = ""  # why, once given up; held until no copy of its blocks can run (_release_held)
     unsettled: list[_Part] = field(default_factory=list)  # its parts without an outcome, when given up
     link_lost: bool = False  # given up with its link: nothing sent after it is ordered after it
-    daemon_pid: int | None = None  # the daemon's process when it was sent (None: not known here)
 
     @property
     def kind(self) -> str:
@@ -210,7 +208,6 @@ class CachexferdWorker(OffloadingWorker):
         not_after = time.time() + (stall if is_load else hard - now)
         device_ids = [int(b) for b in block_ids]
         job = _Job(job_id, is_load, list(keys), device_ids, hard, now + stall, not_after, owner or self.owner)
-        job.daemon_pid = self.conn.daemon_pids()[0]
         self._jobs[job_id] = job
         return job
 
@@ -408,9 +405,8 @@ class CachexferdWorker(OffloadingWorker):
 
     def _release_held(self, force: bool = False) -> None:
         """Settles the given-up jobs whose GPU blocks no copy can reach any more: their
-        ``not_after`` has passed (the daemon starts no copy after it), or the daemon process
-        they were sent to has exited, and, with a daemon that copies inside the device fence,
-        none is running now (client/fence.py). Without a fence
+        ``not_after`` has passed (the daemon starts no copy after it) and, with a daemon that
+        copies inside the device fence, none is running now (client/fence.py). Without a fence
         (a cuda daemon, whose copies run on the GPU once issued; an older daemon) the first is
         all we know. Lets copies run again once the fence was held long enough (``_hand_back``)."""
         now = time.time()
@@ -418,8 +414,7 @@ class CachexferdWorker(OffloadingWorker):
             self._fence.release_if_due(now)
         if not self._held:
             return
-        gone = _gone({job.daemon_pid for job in self._held})  # a daemon that exited copies nothing
-        due = self._held if force else [job for job in self._held if now > job.not_after or job.daemon_pid in gone]
+        due = self._held if force else [job for job in self._held if now > job.not_after]
         if not due or not (force or self._device_quiet()):
             return
         settled = {id(job) for job in due}
@@ -534,10 +529,6 @@ class CachexferdWorker(OffloadingWorker):
                 self._fence.close()
         self.conn.close()
         log.info("cachexferd: worker rank %d done: %s", self.rank, self.stats)
-
-
-def _gone(pids: set[int | None]) -> set[int]:
-    return {pid for pid in pids if pid is not None and liveness.process_state(pid) == "gone"}
 
 
 def _log_timeline(done: Completion, blocks: int, late: bool = False) -> None:
