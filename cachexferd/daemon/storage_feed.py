@@ -1,12 +1,12 @@
 """The daemon's view of the shared store, from its journal, and the STORAGE_EVENTS pages.
 
-A thread follows the journal (storage/journal.py) every ``POLL_S`` (and I/O threads catch up
-right after their own appends): it keeps what is in the store now (object id -> the record
-that stored it) and the latest ``RING`` changes, each
-numbered as the daemon read it. STORAGE_EVENTS is answered from memory, on the event loop,
-under a short lock: the changes after a client's cursor, or, for a new client (cursor 0), one
-too far behind, one of an earlier view (a restarted daemon, records lost), the current state
-first (``reset``), page by page from a copy taken for that client.
+A thread follows the journal (storage/journal.py) every ``POLL_S`` (and an I/O thread catches
+up before a STORE reserves room): it keeps what is in the store now (object id -> the record
+that stored it) and the latest ``RING`` changes, each numbered as the daemon read it.
+STORAGE_EVENTS is answered from memory, on the event loop, under a short lock: the changes
+after a client's cursor, or, for a new client (cursor 0), one too far behind, one of an
+earlier view (a restarted daemon, records lost), the current state first (``reset``), page
+by page from a copy taken for that client.
 
 Cursors are opaque to clients. Inside: ``view << 42 | number`` (the number of the last change
 the client has; ``view`` is random per view, so a cursor of another daemon or an earlier

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import queue
@@ -126,6 +127,9 @@ class StorageTier:
         self.shard_limit = min(config.io_threads, backend.max_shards or config.io_threads)
         journal = backend.journal
         self.feed = StorageFeed(journal, config.namespace, backend.learn) if journal is not None else None
+        if journal is not None:
+            journal.on_failure = self._journal_failed
+        self._journal_group: tuple[concurrent.futures.Future[None] | None, asyncio.Future[None] | None] = (None, None)
 
     def start(self) -> None:
         self.io.submit(self.backend.start)
@@ -165,7 +169,7 @@ class StorageTier:
             raise ProtocolError(ErrorCode.STORAGE_ERROR, f"no object was written: {failed[0]}")
         tags = tags or [b""] * stored
         size = codec.object_bytes
-        await self._record(stored_records(names[:stored], tags, size))
+        await self._record(stored_records(names[:stored], tags, size), wait=True)
         if stored and self.backend.drops_writes:
             stored = await self._still_there(names[:stored], cancel)
         written = len(keys) - len(failed)
@@ -260,24 +264,25 @@ class StorageTier:
         if self.feed is not None and self.feed.holds(oid):
             await self._record([JournalRecord(REMOVED, oid)])
 
-    async def _record(self, records: Sequence[Row]) -> None:
-        if records:
-            await self._journal_call(functools.partial(self._append, records), len(records))
-
-    def _append(self, records: Sequence[Row]) -> None:
-        # This daemon reads them back with everyone else's (its follower, within POLL_S).
-        assert self.backend.journal is not None
-        self.backend.journal.append(records)
-
-    async def _journal_call(self, call: Callable[[], None], records: int) -> None:
-        """Runs a journal call on an I/O thread; a journal that fails costs the journal, not the command."""
-        if self.feed is None:
+    async def _record(self, records: Sequence[Row], wait: bool = False) -> None:
+        """Queues the records for the journal (written within ``LINGER_S``, in order with every
+        record this daemon queued before). ``wait``: returns once they are written (or their
+        write failed: a journal that fails costs the journal, not the command)."""
+        journal = self.backend.journal
+        if self.feed is None or journal is None or not records:
             return
-        try:
-            await asyncio.wrap_future(self.io.submit(call))
-        except Exception as exc:  # the store's own error types, OSError, a server gone
-            self.metrics.storage_errors.labels("journal").inc()
-            log.warning("storage journal: %d record(s) not written: %s", records, exc)
+        written = journal.submit(records)
+        if not wait:
+            return
+        group, on_loop = self._journal_group
+        if written is not group or on_loop is None:  # one loop future per write, not one per command
+            on_loop = asyncio.wrap_future(written)
+            self._journal_group = (written, on_loop)
+        with contextlib.suppress(Exception):  # counted and logged by the journal
+            await asyncio.shield(on_loop)
+
+    def _journal_failed(self, records: int) -> None:
+        self.metrics.storage_errors.labels("journal").inc()
 
     # Work on the I/O threads ------------------------------------------------------------
 

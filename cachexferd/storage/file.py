@@ -172,12 +172,10 @@ class FileBackend(StorageBackend):
 
     def _record_removed(self, ids: list[bytes]) -> None:
         """Tells every daemon on the store (the journal) that these objects are gone."""
-        if self.journal is None or not ids:
-            return
-        try:
-            self.journal.append([JournalRecord(REMOVED, i) for i in ids])
-        except OSError as exc:  # the objects are gone either way; followers learn it on a miss
-            log.warning("storage journal: %d removals not recorded: %s", len(ids), exc)
+        if self.journal is not None and ids:
+            # Queued, not waited for (the index lock may be held). Should the write fail (it
+            # is logged), followers learn that the objects are gone when they miss them.
+            self.journal.submit([JournalRecord(REMOVED, i) for i in ids])
 
     def _make_room(self, need: int, parent: str | None) -> bool:
         """After a full disk: evicts at least ``need`` bytes for an object after ``parent``

@@ -26,7 +26,8 @@ import os
 import struct
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -43,10 +44,13 @@ _LEN = struct.Struct("<I")
 FRAME_RECORDS = 1024  # records per frame (at most ~400 KB)
 _MAX_FRAME = 1 << 20  # a length beyond this is not a frame (a damaged file)
 REDIS_KEY = "cachexferd:journal"  # cannot be an object's name: those start with "w<version>/" or "<namespace>/"
-REDIS_MAX_ENTRIES = 10_000  # appends (one per command) kept in the stream
+REDIS_MAX_ENTRIES = 10_000  # stream entries kept (trimming counts entries, not records)
+REDIS_FRAME_RECORDS = 20  # records per entry at most: the stream keeps at most ~200,000 records (~40 MB)
 _SEQ_BITS = 20  # position = milliseconds << 20 | sequence number within the millisecond
 _MINE = 4096  # own appends remembered until read back
 _RECENT_NAMES = 1 << 16  # object digests kept (a few MB)
+LINGER_S = 0.002  # a journal write waits this long for more records to go with it
+LINGER_RECORDS = 4 * FRAME_RECORDS  # records queued beyond this are written without waiting
 
 
 @functools.lru_cache(maxsize=_RECENT_NAMES)
@@ -90,11 +94,116 @@ class JournalRead:
 
 
 class Journal(ABC):
-    """Appends from any daemon, reads in one order; thread-safe, blocking (I/O threads only)."""
+    """Appends from any daemon, reads in one order; thread-safe. ``submit`` never blocks on I/O
+    (the event loop calls it); reads block (I/O threads only).
+
+    Records are written in groups by a thread of the journal's own: a write waits up to
+    ``LINGER_S`` for more, so the records of STOREs that finish together (several requests'
+    stores in one engine step) cost one write, not one each. Every daemon reads the journal
+    every ``POLL_S`` (0.1 s), so the wait delays no reader noticeably; a daemon that is
+    killed loses at most its last ``LINGER_S`` of records (the objects stay loadable: other
+    daemons learn of them when they find them)."""
+
+    def __init__(self) -> None:
+        self._group: list[Row] = []  # records queued for the next write, in order
+        self._group_written: Future[None] = Future()  # completes when that group is written
+        self._last_group: Future[None] = _DONE  # the last group taken for writing
+        self._queue = threading.Condition(threading.Lock())
+        self._now = False  # a caller waits for the group: write it without lingering
+        self._closing = False
+        self._stopped = False  # the writer thread is gone (closed)
+        self._writer: threading.Thread | None = None
+        self._writing = threading.Lock()  # one write at a time (the writer thread, or callers after close)
+        self.submits = 0  # calls that queued records
+        self.writes = 0  # writes made (records of submits / writes calls share one)
+        self.failed = 0  # records whose write failed
+        self.on_failure: Callable[[int], None] | None = None  # given the records of each failed write
+
+    def submit(self, records: Sequence[Row], now: bool = False) -> Future[None]:
+        """Queues the records after every record queued before them; the future completes once
+        they are written (or with the error their write failed with, which is also logged).
+        ``now``: the caller waits for them, so their write does not linger."""
+        if not records:
+            return _DONE
+        with self._queue:
+            if self._stopped:  # closed: written here
+                return self._write_now(list(records))
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_groups, name="storage-journal-writer", daemon=True)
+                self._writer.start()
+            if now or len(self._group) >= LINGER_RECORDS:
+                self._now = True
+                self._queue.notify()
+            elif not self._group:
+                self._queue.notify()  # the writer sleeps until records come
+            self._group += records
+            self.submits += 1
+            return self._group_written
+
+    def append(self, records: Sequence[Row]) -> None:
+        """Writes the records (after every record queued before them) and returns once they
+        are; raises what their write failed with."""
+        self.submit(records, now=True).result()
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Returns once every record queued until now is written (or its write failed)."""
+        with self._queue:
+            if self._group:
+                self._now = True
+                self._queue.notify()
+                last = self._group_written
+            else:
+                last = self._last_group  # the group being written, if one is
+        with contextlib.suppress(Exception):  # failed: counted and logged where it failed
+            last.exception(timeout_s)
+
+    def _write_groups(self) -> None:
+        while True:
+            with self._queue:
+                while not self._group and not self._closing:
+                    self._queue.wait()
+                if not self._now and not self._closing:
+                    self._queue.wait(LINGER_S)  # more records may join this write
+                group, written = self._group, self._group_written
+                if not group:
+                    self._stopped = True  # closing, nothing left: later records are written by their callers
+                    return
+                self._group, self._group_written, self._now = [], Future(), False
+                self._last_group = written
+            self._write_group(group, written)
+
+    def _write_now(self, records: list[Row]) -> Future[None]:
+        written: Future[None] = Future()
+        self._write_group(records, written)
+        return written
+
+    def _write_group(self, records: list[Row], written: Future[None]) -> None:
+        try:
+            with self._writing:
+                self._write(records)
+                self.writes += 1
+        except Exception as exc:  # the store's own error types, OSError, a server gone
+            self.failed += len(records)
+            log.warning("storage journal: %d record(s) not written: %s", len(records), exc)
+            if self.on_failure is not None:
+                self.on_failure(len(records))
+            written.set_exception(exc)
+        else:
+            written.set_result(None)
+
+    def close(self) -> None:
+        """Writes what is queued, stops the writer thread and releases what the journal holds."""
+        with self._queue:
+            self._closing = True
+            self._stopped = self._writer is None
+            self._queue.notify()
+            writer = self._writer
+        if writer is not None:
+            writer.join(timeout=5.0)
 
     @abstractmethod
-    def append(self, records: Sequence[Row]) -> None:
-        """Appends the records, in order, without interleaving with another writer's."""
+    def _write(self, records: Sequence[Row]) -> None:
+        """Writes the records, in order, as one unit no other writer's records interleave."""
 
     @abstractmethod
     def read(self, position: int, limit: int) -> JournalRead:
@@ -103,15 +212,16 @@ class Journal(ABC):
     def describe(self) -> dict[str, object]:
         return {}
 
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Releases what the journal holds open."""
+
+_DONE: Future[None] = Future()
+_DONE.set_result(None)
 
 
-def frames(records: Sequence[Row]) -> list[bytes]:
-    """The records as frames of at most ``FRAME_RECORDS``: one msgpack array of
+def frames(records: Sequence[Row], per_frame: int = FRAME_RECORDS) -> list[bytes]:
+    """The records as frames of at most ``per_frame``: one msgpack array of
     ``[op, object id, name, tag, size]`` arrays each (one encoder call per frame)."""
-    starts = range(0, len(records), FRAME_RECORDS)
-    return [msgpack.packb(records[i : i + FRAME_RECORDS], use_bin_type=True) for i in starts]
+    starts = range(0, len(records), per_frame)
+    return [msgpack.packb(records[i : i + per_frame], use_bin_type=True) for i in starts]
 
 
 # A Row's fields, read in C (the hot loops over every record use these)
@@ -139,8 +249,8 @@ def decode(body: bytes) -> tuple[Row, ...]:
 class FileJournal(Journal):
     """Append-only files ``<dir>/<segment number, 12 digits>.log`` in the storage directory.
 
-    Each append is one ``write`` on a file opened with ``O_APPEND``: on a local file system
-    the kernel places it whole at the end, so writers of every daemon on the machine never
+    Each write (a group of appends) is one ``write`` on a file opened with ``O_APPEND``: on a
+    local file system the kernel places it whole at the end, so writers of every daemon on the machine never
     interleave (a network file system does not promise that: see docs/storage.md §4.1). A
     writer that finds the current file over ``SEGMENT_BYTES`` starts the next one (the first
     to create it wins) and deletes files beyond ``KEEP_SEGMENTS``; readers move on to the next
@@ -148,9 +258,9 @@ class FileJournal(Journal):
     """
 
     def __init__(self, directory: str, segment_bytes: int = SEGMENT_BYTES, keep: int = KEEP_SEGMENTS) -> None:
+        super().__init__()
         self.directory = directory
         self.segment_bytes, self.keep = segment_bytes, keep
-        self._lock = threading.Lock()
         self.appended = 0  # records this process appended
         # This object's own appends of stores, by (segment, offset), until read back: taken
         # from memory instead of decoded (a writer reads back everything it writes).
@@ -160,23 +270,20 @@ class FileJournal(Journal):
 
     # Appending ------------------------------------------------------------------------------
 
-    def append(self, records: Sequence[Row]) -> None:
-        if not records:
-            return
+    def _write(self, records: Sequence[Row]) -> None:
         data = b"".join(_LEN.pack(len(f)) + f for f in frames(records))
-        with self._lock:
-            # Opened per append, never held: a file open for writing would keep the storage
-            # file system from being remounted read-only or unmounted.
-            segment, fd = self._open()
-            try:
-                os.write(fd, data)  # one write: whole, after every other writer's (O_APPEND)
-                end = os.lseek(fd, 0, os.SEEK_CUR)  # where this write ended, whoever wrote since
-            finally:
-                os.close(fd)
-            self.appended += len(records)
-            self._remember(segment, end - len(data), len(data), records)
-            if end >= self.segment_bytes:
-                self._rotate(segment + 1)
+        # Opened per write, never held: a file open for writing would keep the storage file
+        # system from being remounted read-only or unmounted.
+        segment, fd = self._open()
+        try:
+            os.write(fd, data)  # one write: whole, after every other writer's (O_APPEND)
+            end = os.lseek(fd, 0, os.SEEK_CUR)  # where this write ended, whoever wrote since
+        finally:
+            os.close(fd)
+        self.appended += len(records)
+        self._remember(segment, end - len(data), len(data), records)
+        if end >= self.segment_bytes:
+            self._rotate(segment + 1)
 
     def _remember(self, segment: int, start: int, length: int, records: Sequence[Row]) -> None:
         if set(map(OP_OF, records)) != {STORED}:
@@ -310,13 +417,12 @@ class RedisJournal(Journal):
     last record was trimmed away learns that it may have missed some (``gap``)."""
 
     def __init__(self, client: Any, key: str = REDIS_KEY, max_entries: int = REDIS_MAX_ENTRIES) -> None:
+        super().__init__()
         self.client, self.key, self.max_entries = client, key, max_entries
 
-    def append(self, records: Sequence[Row]) -> None:
-        if not records:
-            return
+    def _write(self, records: Sequence[Row]) -> None:
         pipe = self.client.pipeline(transaction=False)
-        for frame in frames(records):  # one entry per frame (a command's records, up to FRAME_RECORDS)
+        for frame in frames(records, REDIS_FRAME_RECORDS):  # one entry per frame
             pipe.xadd(self.key, {b"r": frame}, maxlen=self.max_entries, approximate=True)
         pipe.execute()
 

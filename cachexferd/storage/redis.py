@@ -187,6 +187,8 @@ class RedisBackend(StorageBackend):
         return {"backend": self.name, "url": _redacted(self.url), "state": self._state}
 
     def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()  # what is queued is written first
         self.client.close()
         self.client.connection_pool.disconnect()
 

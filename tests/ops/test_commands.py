@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 import time
@@ -84,3 +85,18 @@ def test_bench_plot(short_tmp: Path, kind: str) -> None:
     result = run_cli(["bench", kind, *args, "--plot", str(png)], short_tmp, timeout_s=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot written to {png}" in result.stdout
+
+
+def test_bench_journal_reports_every_row(short_tmp: Path) -> None:
+    out = short_tmp / "journal.json"
+    args = ["--objects", "64", "--per-store", "1,16", "--pace-us", "0,1000", "--pace-s", "0.02", "--rounds", "1"]
+    result = run_cli(["bench", "journal", *args, "--path", str(short_tmp / "store"), "--json", str(out)], short_tmp,
+                     timeout_s=300)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["per_store"], r["pace_us"]) for r in rows] == [(1, 0), (1, 1000), (16, 0), (16, 1000)]
+    for row in rows:
+        assert row["writer_us"] > 0 and row["writer_alone_us"] > 0 and row["follower_us"] > 0 and row["raw_us"] > 0
+        assert row["stores_per_write"] >= 1.0
+    assert rows[0]["stores_per_write"] > 1.0, "64 one-object STOREs back to back shared writes"
+    assert f"{'1':>13}  {'0':>7}" in result.stdout

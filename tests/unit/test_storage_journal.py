@@ -6,12 +6,15 @@ STORAGE_EVENTS pages restate the state, then follow it, and start over when they
 from __future__ import annotations
 
 import multiprocessing
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgpack
+import pytest
 
 from cachexferd.daemon.storage_feed import StorageFeed
-from cachexferd.storage.journal import REMOVED, STORED, FileJournal, JournalRecord, object_id
+from cachexferd.storage.journal import REMOVED, STORED, FileJournal, JournalRecord, Row, object_id, stored_records
 
 WRITERS, PER_WRITER, BATCH = 3, 400, 4
 
@@ -213,3 +216,107 @@ def test_the_file_backend_indexes_what_other_daemons_stored_and_forgets_what_the
     assert object_id(names[0]) not in backend.index, "removed"
     assert object_id("w0/x") not in backend.index, "no size and no file: skipped"
     assert backend.index.total == sum(range(101, 104)) and len(backend.index) == 3
+
+
+# Grouped writes ------------------------------------------------------------------------------
+
+
+class Gated(FileJournal):
+    """A file journal whose writes wait for ``gate`` (``entered``: a write began)."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__(directory)
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def _write(self, records: Sequence[Row]) -> None:
+        self.entered.set()
+        assert self.gate.wait(10), "the test never opened the gate"
+        super()._write(records)
+
+
+def stores(prefix: str, count: int) -> list[Row]:
+    return stored_records([f"w0/{prefix}{i}" for i in range(count)], [prefix.encode()] * count, 5)
+
+
+def names_in(directory: str) -> list[str]:
+    records, _ = read_all(FileJournal(directory))
+    return [r[2] for r in records]
+
+
+def test_records_queued_during_a_write_go_together_in_the_next_one_in_order(tmp_path: Path) -> None:
+    directory = str(tmp_path / "j")
+    journal = Gated(directory)
+    first = journal.submit(stores("a", 1))
+    assert journal.entered.wait(5), "the writer thread took the first record"
+    later = [journal.submit(stores(f"b{i}-", 2)) for i in range(5)]
+    assert not first.done() and not any(f.done() for f in later), "submitting never waits for a write"
+    journal.gate.set()
+    for written in (first, *later):
+        assert written.result(timeout=5) is None
+    assert (journal.submits, journal.writes) == (6, 2), "the five queued during the first write share the next"
+    assert names_in(directory) == ["w0/a0", *(f"w0/b{i}-{j}" for i in range(5) for j in range(2))]
+    journal.close()
+
+
+def test_flush_waits_for_the_write_under_way(tmp_path: Path) -> None:
+    journal = Gated(str(tmp_path / "j"))
+    written = journal.submit(stores("f", 2))
+    assert journal.entered.wait(5)
+    flushed = threading.Event()
+    flusher = threading.Thread(target=lambda: (journal.flush(10), flushed.set()))
+    flusher.start()
+    assert not flushed.wait(0.2), "flush returned while the write was blocked"
+    journal.gate.set()
+    assert flushed.wait(5) and written.done()
+    flusher.join(5)
+    journal.close()
+
+
+def test_each_threads_records_keep_their_order_and_none_is_lost(tmp_path: Path) -> None:
+    directory = str(tmp_path / "j")
+    journal = FileJournal(directory)
+
+    def submit_many(thread: int) -> None:
+        for i in range(100):
+            journal.submit(stores(f"t{thread}-{i:03d}-", 2))
+
+    threads = [threading.Thread(target=submit_many, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    journal.flush(10)
+    names = names_in(directory)
+    assert len(names) == 4 * 100 * 2
+    for t in range(4):
+        mine = [n for n in names if n.startswith(f"w0/t{t}-")]
+        assert mine == [f"w0/t{t}-{i:03d}-{j}" for i in range(100) for j in range(2)]
+    assert journal.writes < journal.submits, "threads submitting at once shared writes"
+    journal.close()
+
+
+def test_a_failed_write_fails_every_record_in_it_and_is_reported(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("x")
+    journal = FileJournal(str(blocker / "j"))  # its directory cannot be made: every write fails
+    failed: list[int] = []
+    journal.on_failure = failed.append
+    written = [journal.submit(stores(f"x{i}-", 3)) for i in range(4)]
+    for each in written:
+        with pytest.raises(OSError):
+            each.result(timeout=5)
+    with pytest.raises(OSError):
+        journal.append(stores("y", 1))
+    assert journal.failed == sum(failed) == 4 * 3 + 1 and journal.writes == 0
+    journal.close()
+
+
+def test_close_writes_what_is_queued_and_records_after_it_at_once(tmp_path: Path) -> None:
+    directory = str(tmp_path / "j")
+    journal = FileJournal(directory)
+    queued = journal.submit(stores("q", 3))
+    journal.close()
+    assert queued.done() and queued.exception() is None
+    late = journal.submit(stores("late", 1))
+    assert late.done() and late.exception() is None, "written by its caller once the writer thread is gone"
+    assert names_in(directory) == ["w0/q0", "w0/q1", "w0/q2", "w0/late0"]

@@ -8,6 +8,7 @@ import itertools
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +31,7 @@ from cachexferd.storage.base import (
     StorageFailure,
     StorageUnavailable,
 )
+from cachexferd.storage.journal import FileJournal
 
 FP = "0123456789abcdef"
 BLOCK = 4096
@@ -253,5 +255,51 @@ def test_configured_checksum_kind_is_written() -> None:
         header = t.backend.objects["w0/k"][:64]  # type: ignore[attr-defined]
         assert int.from_bytes(header[8:10], "little") == 1  # crc32
         assert run(t.load(["k"], [1], BLOCK, FP, 0, CancelToken())) == 1
+    finally:
+        t.close()
+
+
+def journaled_tier(directory: Path) -> StorageTier:
+    """A tier whose backend keeps a file journal (the scripted backend's objects, real files)."""
+    config = load_config(overrides={"storage.io_threads": 2}, environ={})
+    backend = Scripted()
+    backend.journal = FileJournal(str(directory))
+    return StorageTier(backend, config.storage, HostPool(64 * BLOCK), DaemonMetrics(0, "cpu"))
+
+
+def test_a_stores_records_are_in_the_journal_before_its_outcome(tmp_path: Path) -> None:
+    """STOREs that finish together share journal writes, and each outcome comes only once its
+    records are written (docs/protocol.md §12.8)."""
+    directory = tmp_path / "journal"
+    t = journaled_tier(directory)
+
+    async def store_and_read(i: int) -> list[tuple[str, bytes]]:
+        keys = [f"s{i}-{j}" for j in range(3)]
+        tags = [f"t{i}-{j}".encode() for j in range(3)]
+        assert (await t.store(keys, [3 * i + j for j in range(3)], BLOCK, FP, 0, CancelToken(), tags=tags))[
+            "stored"
+        ] == 3
+        seen = {(r[2], r[3]) for r in FileJournal(str(directory)).read(0, 1000).records}
+        return [(f"w0/{k}", tag) for k, tag in zip(keys, tags) if (f"w0/{k}", tag) not in seen]
+
+    async def main() -> list[list[tuple[str, bytes]]]:
+        return await asyncio.gather(*(store_and_read(i) for i in range(8)))
+
+    try:
+        assert run(main()) == [[]] * 8, "records not in the journal when their STORE's outcome came"
+        journal = t.backend.journal
+        assert journal is not None and journal.submits == 8 and 1 <= journal.writes <= 8
+    finally:
+        t.close()
+
+
+def test_a_journal_that_fails_costs_the_journal_not_the_store(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("x")
+    t = journaled_tier(blocker / "journal")  # no journal write can succeed
+    try:
+        result = run(t.store(["k0", "k1"], [0, 1], BLOCK, FP, 0, CancelToken()))
+        assert result["stored"] == 2 and errors(t, "journal") == 1
+        assert run(t.load(["k0", "k1"], [10, 11], BLOCK, FP, 0, CancelToken())) == 2
     finally:
         t.close()
