@@ -92,14 +92,15 @@ def mooncake_binaries() -> tuple[str, str]:
 class RedisServer:
     """redis-server or valkey-server on a free loopback port: no persistence, LRU eviction."""
 
-    def __init__(self, workdir: Path, maxmemory: str = "1gb") -> None:
+    def __init__(self, workdir: Path, maxmemory: str = "1gb", settings: Sequence[str] = ()) -> None:
+        """``settings``: more ``--name value`` arguments for the server."""
         self.binary = redis_binary()
         self.workdir, self.port = workdir, free_port()
         workdir.mkdir(parents=True, exist_ok=True)
         argv = [
             self.binary, "--port", str(self.port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no",
             "--dir", str(workdir), "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru",
-            "--protected-mode", "yes", "--daemonize", "no",
+            "--protected-mode", "yes", "--daemonize", "no", *settings,
         ]  # fmt: skip
         self.server = ServerProcess("redis-server", argv, workdir / "redis.log", lambda: port_open(self.port))
 

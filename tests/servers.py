@@ -20,7 +20,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
@@ -36,7 +36,7 @@ def unavailable(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
-def start_redis(workdir: Path, **kwargs: str) -> RedisServer:
+def start_redis(workdir: Path, **kwargs: Any) -> RedisServer:
     try:
         return RedisServer(workdir, **kwargs).start()
     except ServerUnavailable as exc:
