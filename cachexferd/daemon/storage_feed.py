@@ -189,4 +189,4 @@ class StorageFeed:
     def describe(self) -> dict[str, Any]:
         with self._lock:
             return {"objects": len(self._objects), "records": self.records, "gaps": self.gaps,
-                    **self.journal.describe()}  # fmt: skip
+                    **self.journal.counts(), **self.journal.describe()}  # fmt: skip

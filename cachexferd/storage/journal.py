@@ -115,7 +115,8 @@ class Journal(ABC):
         self._writer: threading.Thread | None = None
         self._writing = threading.Lock()  # one write at a time (the writer thread, or callers after close)
         self.submits = 0  # calls that queued records
-        self.writes = 0  # writes made (records of submits / writes calls share one)
+        self.writes = 0  # writes made (submits / writes: how many shared one)
+        self.written = 0  # records written
         self.failed = 0  # records whose write failed
         self.on_failure: Callable[[int], None] | None = None  # given the records of each failed write
 
@@ -182,6 +183,7 @@ class Journal(ABC):
             with self._writing:
                 self._write(records)
                 self.writes += 1
+                self.written += len(records)
         except Exception as exc:  # the store's own error types, OSError, a server gone
             self.failed += len(records)
             log.warning("storage journal: %d record(s) not written: %s", len(records), exc)
@@ -211,6 +213,10 @@ class Journal(ABC):
 
     def describe(self) -> dict[str, object]:
         return {}
+
+    def counts(self) -> dict[str, int]:
+        """What this daemon wrote: records written, the writes they took, records not written."""
+        return {"written": self.written, "writes": self.writes, "not_written": self.failed}
 
 
 _DONE: Future[None] = Future()

@@ -289,6 +289,8 @@ def test_a_stores_records_are_in_the_journal_before_its_outcome(tmp_path: Path) 
         assert run(main()) == [[]] * 8, "records not in the journal when their STORE's outcome came"
         journal = t.backend.journal
         assert journal is not None and journal.submits == 8 and 1 <= journal.writes <= 8
+        shown = t.describe()["journal"]  # STATUS storage.journal
+        assert shown["written"] == 24 and shown["writes"] == journal.writes and shown["not_written"] == 0
     finally:
         t.close()
 
@@ -300,6 +302,7 @@ def test_a_journal_that_fails_costs_the_journal_not_the_store(tmp_path: Path) ->
     try:
         result = run(t.store(["k0", "k1"], [0, 1], BLOCK, FP, 0, CancelToken()))
         assert result["stored"] == 2 and errors(t, "journal") == 1
+        assert t.describe()["journal"]["not_written"] == 2 and t.describe()["journal"]["written"] == 0
         assert run(t.load(["k0", "k1"], [10, 11], BLOCK, FP, 0, CancelToken())) == 2
     finally:
         t.close()
