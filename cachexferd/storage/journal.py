@@ -100,9 +100,10 @@ class Journal(ABC):
     Records are written in groups by a thread of the journal's own: a write waits up to
     ``LINGER_S`` for more, so the records of STOREs that finish together (several requests'
     stores in one engine step) cost one write, not one each. Every daemon reads the journal
-    every ``POLL_S`` (0.1 s), so the wait delays no reader noticeably; a daemon that is
-    killed loses at most its last ``LINGER_S`` of records (the objects stay loadable: other
-    daemons learn of them when they find them)."""
+    every ``POLL_S`` (0.1 s), so the wait delays no reader noticeably. A daemon that is
+    killed loses at most its last ``LINGER_S`` of records, none of a STORE it reported (its
+    outcome waits for them): other daemons learn of those removals when they find the objects
+    missing, and of those stores when the objects are stored again."""
 
     def __init__(self) -> None:
         self._group: list[Row] = []  # records queued for the next write, in order
