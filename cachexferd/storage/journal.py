@@ -25,6 +25,7 @@ import operator
 import os
 import struct
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -49,7 +50,7 @@ REDIS_FRAME_RECORDS = 20  # records per entry at most: the stream keeps at most 
 _SEQ_BITS = 20  # position = milliseconds << 20 | sequence number within the millisecond
 _MINE = 4096  # own appends remembered until read back
 _RECENT_NAMES = 1 << 16  # object digests kept (a few MB)
-LINGER_S = 0.002  # a journal write waits this long for more records to go with it
+LINGER_S = 0.002  # journal writes start at most this often: records that come sooner go together
 LINGER_RECORDS = 4 * FRAME_RECORDS  # records queued beyond this are written without waiting
 
 
@@ -97,10 +98,12 @@ class Journal(ABC):
     """Appends from any daemon, reads in one order; thread-safe. ``submit`` never blocks on I/O
     (the event loop calls it); reads block (I/O threads only).
 
-    Records are written in groups by a thread of the journal's own: a write waits up to
-    ``LINGER_S`` for more, so the records of STOREs that finish together (several requests'
-    stores in one engine step) cost one write, not one each. Every daemon reads the journal
-    every ``POLL_S`` (0.1 s), so the wait delays no reader noticeably. A daemon that is
+    Records are written in groups by a thread of the journal's own, at most one write every
+    ``LINGER_S``: a record that comes after a quiet spell is written at once, one that comes
+    sooner waits for the rest of ``LINGER_S`` and goes with every record that came meanwhile.
+    So the records of STOREs that finish together (several requests' stores in one engine
+    step) cost one write, not one each, and a lone STORE waits for none. Every daemon reads
+    the journal every ``POLL_S`` (0.1 s), so the wait delays no reader noticeably. A daemon that is
     killed loses at most its last ``LINGER_S`` of records, none of a STORE it reported (its
     outcome waits for them): other daemons learn of those removals when they find the objects
     missing, and of those stores when the objects are stored again."""
@@ -109,6 +112,7 @@ class Journal(ABC):
         self._group: list[Row] = []  # records queued for the next write, in order
         self._group_written: Future[None] = Future()  # completes when that group is written
         self._last_group: Future[None] = _DONE  # the last group taken for writing
+        self._last_write = -LINGER_S  # when it was taken (monotonic)
         self._queue = threading.Condition(threading.Lock())
         self._now = False  # a caller waits for the group: write it without lingering
         self._closing = False
@@ -164,14 +168,15 @@ class Journal(ABC):
             with self._queue:
                 while not self._group and not self._closing:
                     self._queue.wait()
-                if not self._now and not self._closing:
-                    self._queue.wait(LINGER_S)  # more records may join this write
+                linger = self._last_write + LINGER_S - time.monotonic()
+                if linger > 0 and not self._now and not self._closing:
+                    self._queue.wait(linger)  # more records may join this write
                 group, written = self._group, self._group_written
                 if not group:
                     self._stopped = True  # closing, nothing left: later records are written by their callers
                     return
                 self._group, self._group_written, self._now = [], Future(), False
-                self._last_group = written
+                self._last_group, self._last_write = written, time.monotonic()
             self._write_group(group, written)
 
     def _write_now(self, records: list[Row]) -> Future[None]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import msgpack
 import pytest
 
 from cachexferd.daemon.storage_feed import StorageFeed
+from cachexferd.storage import journal as journal_module
 from cachexferd.storage.journal import REMOVED, STORED, FileJournal, JournalRecord, Row, object_id, stored_records
 
 WRITERS, PER_WRITER, BATCH = 3, 400, 4
@@ -320,3 +322,19 @@ def test_close_writes_what_is_queued_and_records_after_it_at_once(tmp_path: Path
     late = journal.submit(stores("late", 1))
     assert late.done() and late.exception() is None, "written by its caller once the writer thread is gone"
     assert names_in(directory) == ["w0/q0", "w0/q1", "w0/q2", "w0/late0"]
+
+
+def test_a_record_after_a_quiet_spell_is_written_at_once_and_one_soon_after_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(journal_module, "LINGER_S", 10.0)  # writes start at most every 10 s
+    directory = str(tmp_path / "j")
+    journal = FileJournal(directory)
+    assert journal.submit(stores("a", 1)).result(timeout=5) is None, "the first write did not wait"
+    second = journal.submit(stores("b", 1))
+    time.sleep(0.3)
+    assert not second.done(), "a record within 10 s of a write waits for the rest of the 10 s"
+    journal.append(stores("c", 1))  # a caller that waits: its write (and the one queued before) goes now
+    assert second.done() and names_in(directory) == ["w0/a0", "w0/b0", "w0/c0"]
+    assert journal.writes == 2
+    journal.close()
