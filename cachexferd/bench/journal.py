@@ -138,7 +138,11 @@ def raw_cpu(root: Path, names: list[str], per_store: int) -> float:
     return time.process_time() - start
 
 
-def measure(root: Path, daemons: Daemons, per_store: int, pace_us: int, args: argparse.Namespace) -> dict[str, Any]:
+def measure(
+    root: Path, pairs: dict[bool, Daemons], per_store: int, pace_us: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One row. ``pairs``: the daemons of grouped writes (True) and of a write each (False),
+    on journals of their own, so that neither's indexes grow with the other's objects."""
     stores = args.objects // per_store
     if pace_us:  # a paced measurement lasts at most --pace-s
         stores = min(stores, max(20, int(args.pace_s * 1e6 / pace_us)))
@@ -157,8 +161,9 @@ def measure(root: Path, daemons: Daemons, per_store: int, pace_us: int, args: ar
                 if r:  # round 0 warms up
                     raw.append(spent)
                 continue
-            submitted, wrote = daemons.journal.submits, daemons.journal.writes
             grouped = kind == "grouped"
+            daemons = pairs[grouped]
+            submitted, wrote = daemons.journal.submits, daemons.journal.writes
             ours = names if grouped else names_for(objects, f"s{per_store}p{pace_us}r{r}a")
             spent, read = journal_cpu(daemons, ours, per_store, pace_s, grouped)
             spent -= pace_cpu(stores, pace_s) if pace_us else 0.0
@@ -184,12 +189,12 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.path or tempfile.mkdtemp(prefix="cx-bench-journal-", dir="/dev/shm"))
     rows = []
     tune_gc()  # the daemon's garbage collector settings: its cost per object is part of the figure
-    daemons = Daemons(root)
+    pairs = {True: Daemons(root / "grouped"), False: Daemons(root / "each")}
     try:
         print("CPU per stored object, median [best], µs; writer: grouped writes, or a write per STORE on an I/O thread")
         print("objects/STORE  pace µs  STOREs/write  writer          a write each    follower        raw log")
         for per_store, pace_us in itertools.product(_ints(args.per_store), _ints(args.pace_us)):
-            row = measure(root, daemons, per_store, pace_us, args)
+            row = measure(root, pairs, per_store, pace_us, args)
             rows.append(row)
             print(f"{per_store:>13}  {pace_us:>7}  {row['stores_per_write']:>12.1f}  "
                   f"{row['writer_us']:>6.2f} [{row['writer_best_us']:>6.2f}]  "
