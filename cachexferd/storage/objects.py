@@ -46,6 +46,11 @@ from typing import Any
 MAGIC = b"CXKV"
 FORMAT_VERSION = 1
 HEADER_BYTES = 64
+try:  # ISA-L's CRC-32: the same function as zlib's, about 3x as fast (carry-less multiply), GIL released
+    from isal.isal_zlib import crc32
+except ImportError:  # a platform without its wheel: zlib's (also releases the GIL)
+    from zlib import crc32
+
 _HEAD = struct.Struct("<4sHHHHQ8s8sQ")  # everything the header crc covers (44 bytes)
 _HEAD_CRC = struct.Struct("<I")
 _PAD = bytes(HEADER_BYTES - _HEAD.size - _HEAD_CRC.size)
@@ -147,7 +152,7 @@ def sum64_reference(payload: bytes) -> int:
 
 def payload_checksum(kind: Checksum, payload: Any) -> int:
     if kind is Checksum.CRC32:
-        return zlib.crc32(payload)
+        return crc32(payload)
     return sum64(payload)
 
 

@@ -14,6 +14,7 @@ from cachexferd.storage.objects import (
     Checksum,
     ObjectCodec,
     Verdict,
+    payload_checksum,
     sum64,
     sum64_reference,
 )
@@ -120,3 +121,13 @@ def test_objects_written_with_sum64_are_still_read() -> None:
     payload = memoryview(block())
     written = ObjectCodec(FP, BLOCK, Checksum.SUM64).header("k", payload)
     assert ObjectCodec(FP, BLOCK).check("k", written, payload, HEADER_BYTES + BLOCK) == (Verdict.OK, "")
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 4096, (1 << 20) + 7])
+def test_the_crc32_objects_carry_is_zlibs(size: int) -> None:
+    """Objects are checked with ISA-L's CRC-32 where it is installed: it must be zlib's exactly,
+    so objects written by either are read by the other."""
+    data = os.urandom(size)
+    view = memoryview(bytearray(data))[1:]
+    assert payload_checksum(Checksum.CRC32, data) == zlib.crc32(data)
+    assert payload_checksum(Checksum.CRC32, view) == zlib.crc32(view)
