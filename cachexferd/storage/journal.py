@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import logging
 import operator
 import os
@@ -43,6 +44,7 @@ KEEP_SEGMENTS = 8  # files kept (~128 MiB, about 700,000 records); older ones ar
 _SEGMENT_SHIFT = 40  # position = segment number << 40 | offset in the segment
 _LEN = struct.Struct("<I")
 FRAME_RECORDS = 1024  # records per frame (at most ~400 KB)
+FORMAT = 2  # a frame's first field: frames of other formats are skipped
 _MAX_FRAME = 1 << 20  # a length beyond this is not a frame (a damaged file)
 REDIS_KEY = "cachexferd:journal"  # cannot be an object's name: those start with "w<version>/" or "<namespace>/"
 REDIS_MAX_ENTRIES = 10_000  # stream entries kept (trimming counts entries, not records)
@@ -123,6 +125,7 @@ class Journal(ABC):
         self.writes = 0  # writes made (submits / writes: how many shared one)
         self.written = 0  # records written
         self.failed = 0  # records whose write failed
+        self.skipped = 0  # frames read that were not of this format (damage, another release)
         self.on_failure: Callable[[int], None] | None = None  # given the records of each failed write
 
     def submit(self, records: Sequence[Row], now: bool = False) -> Future[None]:
@@ -217,45 +220,71 @@ class Journal(ABC):
     def read(self, position: int, limit: int) -> JournalRead:
         """About ``limit`` records (whole appends) after ``position`` (0: the oldest kept)."""
 
+    def _decode(self, body: bytes) -> list[Row]:
+        rows = decode(body)
+        if not rows:
+            if not self.skipped:  # once: a daemon of another release writes on, frame after frame
+                log.warning("storage journal: skipped a frame that is not of this release's format "
+                            "(damage, or a daemon of another release on this store)")  # fmt: skip
+            self.skipped += 1
+        return rows
+
     def describe(self) -> dict[str, object]:
         return {}
 
     def counts(self) -> dict[str, int]:
-        """What this daemon wrote: records written, the writes they took, records not written."""
-        return {"written": self.written, "writes": self.writes, "not_written": self.failed}
+        """What this daemon wrote (records written, the writes they took, records not written)
+        and the frames it read but could not use."""
+        return {"written": self.written, "writes": self.writes, "not_written": self.failed, "skipped": self.skipped}
 
 
 _DONE: Future[None] = Future()
 _DONE.set_result(None)
 
 
-def frames(records: Sequence[Row], per_frame: int = FRAME_RECORDS) -> list[bytes]:
-    """The records as frames of at most ``per_frame``: one msgpack array of
-    ``[op, object id, name, tag, size]`` arrays each (one encoder call per frame)."""
-    starts = range(0, len(records), per_frame)
-    return [msgpack.packb(records[i : i + per_frame], use_bin_type=True) for i in starts]
-
-
 # A Row's fields, read in C (the hot loops over every record use these)
 OP_OF, ID_OF, SIZE_OF = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(4)
-_COLUMNS = [(operator.itemgetter(i), kind) for i, kind in enumerate((bytes, str, bytes, int), start=1)]
+_NAME_OF, _TAG_OF, _OP_AND_SIZE = operator.itemgetter(2), operator.itemgetter(3), operator.itemgetter(0, 4)
 
 
-def decode(body: bytes) -> tuple[Row, ...]:
-    """A frame's records; none when the bytes are not a frame (a writer of a later format, damage).
-    Every row's shape, op and column types are checked, column by column in C: a row the
+def frames(records: Sequence[Row], per_frame: int = FRAME_RECORDS) -> list[bytes]:
+    """The records as frames of at most ``per_frame``, one per run of records of the same op
+    and size (a write's are usually all stores of one size): a msgpack array ``[FORMAT, op,
+    size, object ids (one byte string, 16 bytes each), [names], [tags]]``. Columns, not a
+    row per record: every daemon on the store decodes every record, and a frame's columns
+    are decoded and checked with a few C calls, not one Python object per field."""
+    out = []
+    for (op, size), run in itertools.groupby(records, key=_OP_AND_SIZE):
+        rows = list(run)
+        for i in range(0, len(rows), per_frame):
+            part = rows[i : i + per_frame]
+            ids, names, tags = b"".join(map(ID_OF, part)), list(map(_NAME_OF, part)), list(map(_TAG_OF, part))
+            out.append(msgpack.packb([FORMAT, op, size, ids, names, tags], use_bin_type=True))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _ids_format(count: int) -> struct.Struct:
+    return struct.Struct("16s" * count)  # splits a frame's ids in one C call
+
+
+def decode(body: bytes) -> list[Row]:
+    """A frame's records; none when the bytes are not a frame of this format (a writer of
+    another release, damage). Every column's type and length is checked (in C): a record the
     daemon cannot use would otherwise stop its reading at that frame."""
     try:
-        rows = msgpack.unpackb(body, use_list=False)
-        if type(rows) is not tuple or not rows or set(map(len, rows)) != {5}:
-            return ()
-        if not set(map(OP_OF, rows)) <= {STORED, REMOVED}:
-            return ()
-    except (ValueError, TypeError, msgpack.UnpackException):  # not msgpack, or a row not an array
-        return ()
-    if any(set(map(type, map(column, rows))) != {kind} for column, kind in _COLUMNS):
-        return ()
-    return rows
+        fmt, op, size, ids, names, tags = msgpack.unpackb(body, use_list=False)
+    except (ValueError, TypeError, msgpack.UnpackException):  # not msgpack, not an array of 6
+        return []
+    count = len(names) if type(names) is tuple else -1
+    if fmt != FORMAT or type(op) is not int or op not in (STORED, REMOVED) or type(size) is not int or size < 0:
+        return []
+    if type(ids) is not bytes or len(ids) != 16 * count or type(tags) is not tuple or len(tags) != count:
+        return []
+    if not set(map(type, names)) <= {str} or not set(map(type, tags)) <= {bytes}:
+        return []
+    return list(zip(itertools.repeat(op, count), _ids_format(count).unpack(ids), names, tags,
+                    itertools.repeat(size, count)))  # fmt: skip
 
 
 class FileJournal(Journal):
@@ -388,7 +417,7 @@ class FileJournal(Journal):
             end = at + _LEN.size + size
             if end > len(data):
                 break  # a frame still being written, or beyond this read
-            rows = decode(data[at + _LEN.size : end])
+            rows = self._decode(data[at + _LEN.size : end])
             out += rows
             others += rows
             at = end
@@ -443,7 +472,7 @@ class RedisJournal(Journal):
         entries = self.client.xrange(self.key, min=after, max="+", count=max(1, limit // 16))
         records: list[Row] = []
         for _, fields in entries:
-            records += decode(fields.get(b"r", b""))
+            records += self._decode(fields.get(b"r", b""))
         end = _position(entries[-1][0]) if entries else position
         return JournalRead(records, end, gap=position != 0 and self._trimmed_after(position))
 

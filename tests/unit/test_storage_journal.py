@@ -73,11 +73,14 @@ def test_old_files_are_deleted_and_a_reader_behind_them_learns_of_the_gap(tmp_pa
 def test_damaged_bytes_are_skipped_not_fatal(tmp_path: Path) -> None:
     journal = FileJournal(str(tmp_path / "j"))
     journal.append([JournalRecord(STORED, object_id("w0/a"), "w0/a", b"")])
+    earlier = msgpack.packb([[STORED, object_id("w0/x"), "w0/x", b"", 1]], use_bin_type=True)  # rows, not columns
     with open(tmp_path / "j" / "000000000000.log", "ab") as f:
         f.write(b"\x05\x00\x00\x00junk!")  # a frame that does not decode
+        f.write(len(earlier).to_bytes(4, "little") + earlier)  # a frame of another format
     journal.append([JournalRecord(STORED, object_id("w0/b"), "w0/b", b"")])
-    names = [r[2] for r in read_all(journal)[0]]
-    assert names == ["w0/a", "w0/b"]
+    reader = FileJournal(str(tmp_path / "j"))
+    assert [r[2] for r in read_all(reader)[0]] == ["w0/a", "w0/b"]
+    assert reader.counts()["skipped"] == 2 and journal.counts()["skipped"] == 0
 
 
 def feed_over(tmp_path: Path, namespace: str = "", ring: int = 1000) -> tuple[FileJournal, StorageFeed]:
@@ -151,20 +154,34 @@ def test_another_namespace_is_not_reported(tmp_path: Path) -> None:
 
 
 def test_frames_round_trip_and_split() -> None:
+    """A frame per run of one op and size, at most FRAME_RECORDS each; read back in order."""
     from cachexferd.storage.journal import FRAME_RECORDS, decode, frames
 
-    records = [
-        JournalRecord(STORED if i % 3 else REMOVED, object_id(f"w0/{i}"), f"w0/{i}", b"\x00t") for i in range(2500)
-    ]
+    stores = [JournalRecord(STORED, object_id(f"w0/{i}"), f"w0/{i}", b"\x00t", 4096) for i in range(2500)]
+    records = [*stores[:2400], *(JournalRecord(REMOVED, r.object_id) for r in stores[:3]), *stores[2400:]]
+    records.append(JournalRecord(STORED, object_id("w0/big"), "w0/big", b"", 8192))  # another size
     parts = frames(records)
-    assert len(parts) == -(-2500 // FRAME_RECORDS)
+    assert len(parts) == 3 + 1 + 1 + 1  # 2400 stores in three frames, the removals, 100 stores, the big one
+    assert max(len(decode(p)) for p in parts) == FRAME_RECORDS
     assert [r for p in parts for r in decode(p)] == records
-    assert decode(b"\xc1") == () and decode(b"\x91\x01") == ()
-    good = [0, bytes(16), "w0/a", b"", 1]
-    later_bad = [good, [0, bytes(16), b"not str", b"", 1]]  # a bad row after a good one
-    for bad in ([[*good[:4]]], [[2, *good[1:]]], [[0, "not bytes", "w0/a", b"", 1]], [good, 7], {"r": 1}, later_bad):
-        assert decode(msgpack.packb(bad, use_bin_type=True)) == (), bad
-    assert decode(msgpack.packb([good], use_bin_type=True)) == (tuple(good),)
+
+
+def test_frames_that_are_not_of_this_format_are_skipped() -> None:
+    """Damage or a writer of another format: the frame is skipped whole, never half-used."""
+    from cachexferd.storage.journal import FORMAT, decode
+
+    good = [FORMAT, STORED, 10, bytes(32), ["w0/a", "w0/b"], [b"", b"t"]]
+    assert decode(msgpack.packb(good, use_bin_type=True)) == [(STORED, bytes(16), "w0/a", b"", 10),
+                                                              (STORED, bytes(16), "w0/b", b"t", 10)]  # fmt: skip
+    assert decode(b"\xc1") == [] and decode(b"\x91\x01") == [] and decode(b"") == []
+    rows_of_an_earlier_format = [[0, bytes(16), "w0/a", b"", 1]]
+    for at, value in [(0, FORMAT + 1), (1, 2), (1, True), (2, -1), (2, "10"), (3, bytes(31)), (3, "x" * 32),
+                      (4, ["w0/a"]), (4, ["w0/a", b"w0/b"]), (5, [b"", "t"]), (5, [b""]), (4, "w0/a")]:  # fmt: skip
+        bad = [*good]
+        bad[at] = value
+        assert decode(msgpack.packb(bad, use_bin_type=True)) == [], (at, value)
+    for bad in (good[:5], [*good, 1], rows_of_an_earlier_format, {"r": 1}):
+        assert decode(msgpack.packb(bad, use_bin_type=True)) == [], bad
 
 
 def test_a_long_backlog_is_read_in_full_pages(tmp_path: Path) -> None:
