@@ -276,6 +276,41 @@ def test_a_store_waited_for_after_its_link_dropped_is_handed_back_with_the_fence
     assert 7 not in keyed_host_blocks(daemon), "the late SWAP_OUT set the identity key of a reused block"
 
 
+@pytest.mark.parametrize("idle_s", [0.0, 1.0], ids=["busy", "idle"])
+def test_jobs_in_flight_when_the_daemon_dies_are_handed_back_at_once(
+    patient: tuple[DaemonProcess, ShmKVCache, CachexferdWorker], monkeypatch: pytest.MonkeyPatch, idle_s: float
+) -> None:
+    """A daemon killed with a store and a load in flight (sent, not yet run: it was stopped):
+    once its process is gone none of their copies can run, so vLLM gets the blocks back
+    within a step or two (the load recomputed, the store's keys forgotten), not after their
+    ``not_after`` (PATIENT_STALL for the load, longer for the store). ``idle``: no engine
+    step for a second after the kill, so the connection's keeper thread notices first."""
+    daemon, _, worker = patient
+    assert worker.submit_store(1, gpu([3]), HostStoreSpec([key(1)], [5]))
+    finished(worker, 1, 10)
+    worker.get_finished(), worker.take_failed_keys(), worker.take_invalid_block_ids()
+    state = liveness.process_state
+    monkeypatch.setattr(liveness, "process_state", lambda pid: "alive" if state(pid) == "stopped" else state(pid))
+    daemon.signal(signal.SIGSTOP)  # a hang that looks alive, until the process is gone
+    assert worker.submit_store(2, gpu([4]), HostStoreSpec([key(2)], [6]))
+    assert worker.submit_load(3, HostLoadSpec("r", [key(1)], [5], [False]), gpu([9]))
+    for _ in range(5):  # steps while the daemon is stopped: both stay in flight
+        assert not worker.get_finished()
+        time.sleep(0.02)
+    killed = time.monotonic()
+    daemon.kill()
+    time.sleep(idle_s)
+    left, seconds = {2, 3}, 0.0
+    while left and seconds < PATIENT_STALL:
+        left -= {r.job_id for r in worker.get_finished()}
+        time.sleep(0.01)
+        seconds = time.monotonic() - killed
+    assert not left, f"jobs {sorted(left)} of a dead daemon still held after {seconds:.1f}s"
+    assert seconds < idle_s + 2.0, f"handed back {seconds:.2f}s after the daemon died"
+    assert worker.take_invalid_block_ids() == {9}, "vLLM must recompute the load's block"
+    assert sorted(worker.take_failed_keys()) == sorted([key(2), key(1)]), "the manager must forget both jobs' keys"
+
+
 def _link_dropped(worker: CachexferdWorker) -> bool:
     """Whether the store's outcome is known to be lost with its link (it is held)."""
     return any(job.link_lost for job in worker._held)

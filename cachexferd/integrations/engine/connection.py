@@ -93,6 +93,7 @@ class DaemonConnection:
         self.hellos: list[dict[str, Any]] = []
         self.boot_ids: list[str] = []
         self.opened = 0  # successful (re)connections so far
+        self.last_loss = ""  # why the connection was last lost (by whichever thread saw it)
         self.verdict = Verdict.LOST
         self.on_keeper_tick: list[Callable[[], None]] = []  # also run by the keeper (e.g. log flushes)
         self._ctx: zmq.Context[Any] = zmq.Context()
@@ -135,6 +136,12 @@ class DaemonConnection:
         """Whether every daemon has answered something since ``t`` (monotonic): it is reading
         its socket, if slowly; a daemon that has not may be hung."""
         return all(p.last_reply > t for p in self._probes)
+
+    def daemon_pids(self) -> tuple[int, ...] | None:
+        """The processes of the daemons this connection's commands go to now; None when one
+        is not known here (a remote daemon, another pid namespace, no STATUS yet)."""
+        pids = [p.pid for p in self._probes]
+        return tuple(pid for pid in pids if pid is not None) if None not in pids else None
 
     def generations(self) -> list[int | None]:
         return [p.generation for p in self._probes]
@@ -344,6 +351,7 @@ class DaemonConnection:
                 return
             log.warning("cachexferd: lost %s: %s; the engine recomputes instead until it is back",
                         self.endpoints, reason)  # fmt: skip
+            self.last_loss = reason
             client, runner, self.client, self.runner = self.client, self.runner, None, None
             self.boot_ids = []
             self.verdict = Verdict.LOST

@@ -47,6 +47,7 @@ from ...client import EngineClient
 from ...client.fence import DeviceFence
 from ...client.pending import Completion
 from ...protocol import MsgType
+from ..engine import liveness
 from ..engine.connection import OUTCOME_UNKNOWN, RESTART_ERRORS, DaemonConnection
 from ..engine.failures import FailureLog
 from .adoption import speaks_keys
@@ -76,6 +77,7 @@ class _Job:
     given_up: str = ""  # why, once given up; held until no copy of its blocks can run (_release_held)
     unsettled: list[_Part] = field(default_factory=list)  # its parts without an outcome, when given up
     link_lost: bool = False  # given up with its link: nothing sent after it is ordered after it
+    daemons: tuple[int, ...] | None = None  # the processes its commands went to (None: not known here)
 
     @property
     def kind(self) -> str:
@@ -124,6 +126,7 @@ class CachexferdWorker(OffloadingWorker):
         # SWAP_OUTs given up, as (GPU blocks, host blocks): scrubbed once the daemon answers (_send_scrubs)
         self._scrubs: list[tuple[list[int], list[int]]] = []
         self._fence: DeviceFence | None = None  # opened when a daemon says it fences its device copies
+        self._sent_on: EngineClient | None = None  # the client the commands in flight went out on
         self.invalid_block_ids: set[int] = set()  # GPU blocks whose load failed (for recompute)
         self.failed_keys: list[OffloadKey] = []  # offload keys that are not where the manager thinks
         self.failed_load_reqs: set[str] = set()  # requests a load of which failed (for recompute)
@@ -207,20 +210,31 @@ class CachexferdWorker(OffloadingWorker):
         # gave up on is scrubbed: _send_scrubs). On the daemon's wall clock (same host).
         not_after = time.time() + (stall if is_load else hard - now)
         device_ids = [int(b) for b in block_ids]
-        job = _Job(job_id, is_load, list(keys), device_ids, hard, now + stall, not_after, owner or self.owner)
+        job = _Job(job_id, is_load, list(keys), device_ids, hard, now + stall, not_after, owner or self.owner,
+                   daemons=self.conn.daemon_pids())  # fmt: skip
         self._jobs[job_id] = job
         return job
 
     def _client(self) -> tuple[EngineClient | None, str]:
         """The client when the daemon can take work now, else (None, why not)."""
-        reason = self.conn.tick()
-        if reason is not None:
-            self._fail_all(reason)
+        self._check_connection()
         if self.conn.client is None:
             return None, "daemon not connected"
         if not self.conn.usable:
             return None, f"daemon {self.conn.verdict.value}"
+        self._sent_on = self.conn.client
         return self.conn.client, ""
+
+    def _check_connection(self) -> None:
+        """Gives up every job when the connection their commands went out on was lost, seen
+        by this thread's ``tick`` or already by the connection's keeper thread (their
+        outcomes will never come: that client is closed)."""
+        reason = self.conn.tick()
+        if reason is None and self._parts and self._sent_on is not None and self.conn.client is not self._sent_on:
+            reason = self.conn.last_loss or "connection lost"
+        if reason is not None:
+            self._fail_all(reason)
+            self._sent_on = None
 
     def _copy_fields(
         self, job: _Job, device_ids: list[int], host_ids: list[int], keys: list[OffloadKey] | None = None
@@ -259,9 +273,7 @@ class CachexferdWorker(OffloadingWorker):
 
     def get_finished(self) -> list[TransferResult]:
         with self.conn.lock:
-            reason = self.conn.tick()
-            if reason is not None:
-                self._fail_all(reason)
+            self._check_connection()
             client = self.conn.client
             if client is not None:
                 self._file(client.poll())
@@ -415,12 +427,22 @@ class CachexferdWorker(OffloadingWorker):
         if not self._held:
             return
         due = self._held if force else [job for job in self._held if now > job.not_after]
-        if not due or not (force or self._device_quiet()):
+        if due and not (force or self._device_quiet()):
+            due = []
+        settled = {id(job) for job in due}
+        due += [job for job in self._held if id(job) not in settled and self._daemons_gone(job)]
+        if not due:
             return
         settled = {id(job) for job in due}
         for job in due:
             self._settle(job)
         self._held = [job for job in self._held if id(job) not in settled]
+
+    @staticmethod
+    def _daemons_gone(job: _Job) -> bool:
+        """Whether every daemon process the job's commands went to has exited: none of its
+        copies can run any more (a killed daemon's device copies end with its process)."""
+        return job.daemons is not None and all(liveness.process_state(pid) == "gone" for pid in job.daemons)
 
     def _device_quiet(self) -> bool:
         fence = self._open_fence()
