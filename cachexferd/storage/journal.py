@@ -253,11 +253,15 @@ def frames(records: Sequence[Row], per_frame: int = FRAME_RECORDS) -> list[bytes
     size, object ids (one byte string, 16 bytes each), [names], [tags]]``. Columns, not a
     row per record: every daemon on the store decodes every record, and a frame's columns
     are decoded and checked with a few C calls, not one Python object per field."""
+    if len(set(map(OP_OF, records))) <= 1 and len(set(map(SIZE_OF, records))) <= 1:
+        runs: Sequence[Sequence[Row]] = [records]  # the usual: one STORE or several of one model
+    else:
+        runs = [list(run) for _, run in itertools.groupby(records, key=_OP_AND_SIZE)]
     out = []
-    for (op, size), run in itertools.groupby(records, key=_OP_AND_SIZE):
-        rows = list(run)
-        for i in range(0, len(rows), per_frame):
-            part = rows[i : i + per_frame]
+    for run in runs:
+        op, size = run[0][0], run[0][4]
+        for i in range(0, len(run), per_frame):
+            part = run[i : i + per_frame]
             ids, names, tags = b"".join(map(ID_OF, part)), list(map(_NAME_OF, part)), list(map(_TAG_OF, part))
             out.append(msgpack.packb([FORMAT, op, size, ids, names, tags], use_bin_type=True))
     return out
