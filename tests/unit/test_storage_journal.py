@@ -164,6 +164,8 @@ def test_frames_round_trip_and_split() -> None:
     assert len(parts) == 3 + 1 + 1 + 1  # 2400 stores in three frames, the removals, 100 stores, the big one
     assert max(len(decode(p)) for p in parts) == FRAME_RECORDS
     assert [r for p in parts for r in decode(p)] == records
+    two_sizes = records[-11:]  # stores only: ten of one size, then one of another
+    assert len(frames(two_sizes)) == 2 and [r for p in frames(two_sizes) for r in decode(p)] == two_sizes
 
 
 def test_frames_that_are_not_of_this_format_are_skipped() -> None:
