@@ -291,6 +291,9 @@ def test_a_stores_records_are_in_the_journal_before_its_outcome(tmp_path: Path) 
         assert journal is not None and journal.submits == 8 and 1 <= journal.writes <= 8
         shown = t.describe()["journal"]  # STATUS storage.journal
         assert shown["written"] == 24 and shown["writes"] == journal.writes and shown["not_written"] == 0
+        assert shown["write_cpu_s"] > 0 and shown["skipped"] == 0
+        assert t.feed is not None and t.feed.catch_up() is False
+        assert t.describe()["journal"]["read_cpu_s"] > 0 and t.describe()["journal"]["records"] == 24
     finally:
         t.close()
 
