@@ -172,6 +172,13 @@ def daemon_cpu_s(daemon: DaemonProcess) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+def journal_cpu_s(daemon: DaemonProcess) -> float:
+    """The CPU seconds the daemon's storage journal has cost it (writes, and reading what was
+    appended), from its STATUS; 0 without a journal."""
+    journal = (daemon.status().get("storage") or {}).get("journal") or {}
+    return float(journal.get("write_cpu_s", 0.0)) + float(journal.get("read_cpu_s", 0.0))
+
+
 class EngineChild(LineChild):
     """A plug-in engine in a process of its own (vLLM keeps one KV connector per process),
     its engine core in-process so that the manager's calls are timed there. Each prompt's
@@ -224,13 +231,15 @@ def engines_phase(args: argparse.Namespace, model: Path, root: Path) -> dict[str
     out: dict[str, Any] = {"rows": [], "steps": {}, "daemon": {}}
     try:
         for name, events in (("events off", None), ("events on", endpoint)):
-            daemons[name] = DaemonProcess(root / name.replace(" ", "-"), settings={
-                "metrics.port": 0, "host_cache.capacity": args.host_capacity})  # fmt: skip
+            home = root / name.replace(" ", "-")
+            daemons[name] = DaemonProcess(home, settings={
+                "metrics.port": 0, "host_cache.capacity": args.host_capacity,
+                "storage.file.path": str(home / "storage")})  # fmt: skip
             daemons[name].start(timeout_s=60)
             engines[name] = EngineChild(args, model, daemons[name].endpoint, events)
         warm = conversation_turns(argparse.Namespace(**{**vars(args), "conversations": 1, "turns": 1}))[0][2]
         first = {name: child.ask(warm[:64]) for name, child in engines.items()}  # set-up out of the figures
-        before = {n: (daemon_cpu_s(d), daemon_counters(d)) for n, d in daemons.items()}
+        before = {n: (daemon_cpu_s(d), daemon_counters(d), journal_cpu_s(d)) for n, d in daemons.items()}
         last = dict(first)
         pair = list(engines.items())
         for i, (_conv, turn, tokens) in enumerate(conversation_turns(args)):
@@ -239,11 +248,15 @@ def engines_phase(args: argparse.Namespace, model: Path, root: Path) -> dict[str
                 out["rows"].append({"engine": name, "turn": turn, "ttft_s": last[name]["ttft_s"],
                                     "cached_tokens": last[name]["cached_tokens"]})  # fmt: skip
         for name, daemon in daemons.items():
-            cpu, counters = before[name]
+            cpu, counters, journal = before[name]
             d2h = 'cachexferd_transfer_bytes_total{direction="d2h"}'
             stored = daemon_counters(daemon).get(d2h, 0.0) - counters.get(d2h, 0.0)
+            written = 'cachexferd_transfer_bytes_total{direction="store"}'
+            objects = daemon_counters(daemon).get(written, 0.0) - counters.get(written, 0.0)
             block_bytes = int(daemon.status()["host_cache"]["block_bytes"]) or 1
-            out["daemon"][name] = {"cpu_s": daemon_cpu_s(daemon) - cpu, "blocks_stored": stored / block_bytes}
+            out["daemon"][name] = {"cpu_s": daemon_cpu_s(daemon) - cpu, "blocks_stored": stored / block_bytes,
+                                   "objects_stored": objects / block_bytes,
+                                   "journal_cpu_s": journal_cpu_s(daemon) - journal}  # fmt: skip
             spent = {k: last[name].get(k, 0.0) - first[name].get(k, 0.0) for k in _PUBLISHING}
             spent.update({k: last[name].get(k, 0.0) for k in ("timer_s", "publisher_idle_rate")})
             out["steps"][name] = {"steps": last[name]["steps"] - first[name]["steps"],
@@ -271,6 +284,9 @@ def summarize(result: dict[str, Any]) -> str:
         lines.append(f"{name:<10}: plug-in scheduler side {per_step[name]:.0f} µs/step over {s['steps']:.0f} steps; "
                      f"returning turns' TTFT median {statistics.median(ttfts) * 1000:.0f} ms; daemon CPU "
                      f"{cpu_block:.0f} µs per block stored ({d['blocks_stored']:.0f} blocks)")  # fmt: skip
+        if d.get("objects_stored"):
+            lines.append(f"{'':<10}  its storage journal: {d['journal_cpu_s'] / d['objects_stored'] * 1e6:.2f} µs "
+                         f"of CPU per object stored ({d['objects_stored']:.0f} objects)")  # fmt: skip
     on, off = per_step["events on"], per_step["events off"]
     count = {n: max(sum(r["engine"] == n for r in e["rows"]), 1) for n in per_step}
     requests = {n: e["steps"][n]["manager_s"] / count[n] * 1e6 for n in per_step}
