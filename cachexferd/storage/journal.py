@@ -370,6 +370,8 @@ class FileJournal(Journal):
     # Reading --------------------------------------------------------------------------------
 
     def read(self, position: int, limit: int) -> JournalRead:
+        if position and self._nothing_after(position):
+            return JournalRead([], position)
         segments = self._segments()
         if not segments:
             return JournalRead([], position)
@@ -391,6 +393,17 @@ class FileJournal(Journal):
             segment, offset = later[0], 0
         self._forget_mine_before((segment, offset))
         return JournalRead(records, (segment << _SEGMENT_SHIFT) | offset, gap, others)
+
+    def _nothing_after(self, position: int) -> bool:
+        """Whether nothing was appended after ``position``: its file still ends there and no
+        later one was started. Two ``stat``s: every daemon asks every ``POLL_S``, and most of
+        the time nothing came (a full read lists the directory and opens the file)."""
+        segment, offset = divmod(position, 1 << _SEGMENT_SHIFT)
+        try:
+            ends_there = os.stat(self._path(segment)).st_size == offset
+        except FileNotFoundError:  # deleted (the reader fell behind): the full read says so
+            return False
+        return ends_there and not os.path.exists(self._path(segment + 1))
 
     def _forget_mine_before(self, place: tuple[int, int]) -> None:
         """Drops own appends a read has passed (read from the file: it raced with the append)."""
@@ -479,22 +492,25 @@ class RedisJournal(Journal):
 
     def read(self, position: int, limit: int) -> JournalRead:
         after = "-" if position == 0 else f"({_stream_id(position)}"
-        entries = self.client.xrange(self.key, min=after, max="+", count=max(1, limit // 16))
+        pipe = self.client.pipeline(transaction=False)  # one round trip: every daemon asks every POLL_S
+        pipe.xrange(self.key, min=after, max="+", count=max(1, limit // 16))
+        pipe.xrange(self.key, min="-", max="+", count=1)  # the oldest entry kept
+        entries, first = pipe.execute()
         records: list[Row] = []
         for _, fields in entries:
             records += self._decode(fields.get(b"r", b""))
         end = _position(entries[-1][0]) if entries else position
-        return JournalRead(records, end, gap=position != 0 and self._trimmed_after(position))
-
-    def _trimmed_after(self, position: int) -> bool:
-        """Whether records after ``position`` may have been trimmed: trimming takes the oldest
-        first, so while the record at ``position`` is still there, none after it is gone. A
-        stream that is gone (evicted, flushed) lost everything."""
-        first = self.client.xrange(self.key, min="-", max="+", count=1)
-        return not first or _position(first[0][0]) > position
+        return JournalRead(records, end, gap=position != 0 and _trimmed_after(first, position))
 
     def describe(self) -> dict[str, object]:
         return {"stream": self.key}
+
+
+def _trimmed_after(first: list[Any], position: int) -> bool:
+    """Whether records after ``position`` may have been trimmed, given the stream's oldest
+    entry: trimming takes the oldest first, so while the record at ``position`` is still
+    there, none after it is gone. A stream that is gone (evicted, flushed) lost everything."""
+    return not first or _position(first[0][0]) > position
 
 
 def _position(entry_id: bytes | str) -> int:

@@ -6,6 +6,7 @@ STORAGE_EVENTS pages restate the state, then follow it, and start over when they
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -55,6 +56,19 @@ def test_writers_in_several_processes_never_interleave_and_files_rotate(tmp_path
         mine = [r[2] for r in records if r[3] == bytes([writer])]
         assert mine == [f"w0/k-{writer}-{j:05d}" for j in range(PER_WRITER)], "each writer's order kept"
     assert len(list(Path(directory).glob("*.log"))) > 3, "8 KiB files: the journal rotated"
+
+
+def test_a_reader_that_reached_the_end_of_a_file_before_the_next_was_started_reads_on(tmp_path: Path) -> None:
+    """A reader may reach the end of a file that the last write filled before the writer
+    started the next one: that file never grows again, and what follows is in the next."""
+    writer = FileJournal(str(tmp_path / "j"), segment_bytes=1024, keep=100)
+    writer.append([JournalRecord(STORED, object_id(f"w0/{i}"), f"w0/{i}", b"") for i in range(60)])  # > 1 KiB
+    reader = FileJournal(str(tmp_path / "j"))
+    end_of_first = os.path.getsize(tmp_path / "j" / "000000000000.log")  # as read before the next file existed
+    assert reader.read(end_of_first, 100).records == []
+    writer.append([JournalRecord(STORED, object_id("w0/late"), "w0/late", b"")])
+    assert os.path.getsize(tmp_path / "j" / "000000000000.log") == end_of_first, "the late record went to the next file"
+    assert [r[2] for r in read_all(reader, end_of_first)[0]] == ["w0/late"]
 
 
 def test_old_files_are_deleted_and_a_reader_behind_them_learns_of_the_gap(tmp_path: Path) -> None:
