@@ -285,8 +285,9 @@ def summarize(result: dict[str, Any]) -> str:
                      f"returning turns' TTFT median {statistics.median(ttfts) * 1000:.0f} ms; daemon CPU "
                      f"{cpu_block:.0f} µs per block stored ({d['blocks_stored']:.0f} blocks)")  # fmt: skip
         if d.get("objects_stored"):
+            rate = d["journal_cpu_s"] / max(s["wall_s"], 1e-9) * 1e6
             lines.append(f"{'':<10}  its storage journal: {d['journal_cpu_s'] * 1e3:.1f} ms of CPU over the "
-                         f"{s['wall_s']:.0f} s measured ({d['journal_cpu_s'] / max(s['wall_s'], 1e-9) * 1e6:.0f} µs/s), "
+                         f"{s['wall_s']:.0f} s measured ({rate:.0f} µs/s), "
                          f"{d['journal_cpu_s'] / d['objects_stored'] * 1e6:.1f} µs per object stored "
                          f"({d['objects_stored']:.0f} objects)")  # fmt: skip
     on, off = per_step["events on"], per_step["events off"]
