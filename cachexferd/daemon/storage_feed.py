@@ -92,7 +92,10 @@ class StorageFeed:
                     log.warning("reading the storage journal failed (retrying every %.1fs): %s", self.poll_s, exc)
                 failing, more = True, False
             if not more:
+                started = time.thread_time()
                 self._stop.wait(self.poll_s)
+                with self._reading:  # waking up is part of what following costs
+                    self.read_cpu_s += time.thread_time() - started
 
     def catch_up(self) -> bool:
         """Reads the next records; True when there may be more right away."""
