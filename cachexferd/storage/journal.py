@@ -370,8 +370,9 @@ class FileJournal(Journal):
     # Reading --------------------------------------------------------------------------------
 
     def read(self, position: int, limit: int) -> JournalRead:
-        if position and self._nothing_after(position):
-            return JournalRead([], position)
+        quick = self._quick_read(position) if position else None
+        if quick is not None:
+            return quick
         segments = self._segments()
         if not segments:
             return JournalRead([], position)
@@ -383,10 +384,10 @@ class FileJournal(Journal):
         records: list[Row] = []
         others: list[Row] = []
         while len(records) < limit:
-            read_to = self._read_segment(segment, offset, limit - len(records), records, others)
-            if read_to != offset:  # more of this file may follow what one read took
-                offset = read_to
-                continue
+            read_to, size = self._read_segment(segment, offset, limit - len(records), records, others)
+            progressed, offset = read_to != offset, read_to
+            if progressed and read_to < size:
+                continue  # more of this file than one read takes
             later = [s for s in segments if s > segment]
             if not later or not self._finished(segment, offset):
                 break
@@ -394,16 +395,35 @@ class FileJournal(Journal):
         self._forget_mine_before((segment, offset))
         return JournalRead(records, (segment << _SEGMENT_SHIFT) | offset, gap, others)
 
-    def _nothing_after(self, position: int) -> bool:
-        """Whether nothing was appended after ``position``: its file still ends there and no
-        later one was started. Two ``stat``s: every daemon asks every ``POLL_S``, and most of
-        the time nothing came (a full read lists the directory and opens the file)."""
+    def _quick_read(self, position: int) -> JournalRead | None:
+        """What came after ``position`` when no byte of the file need be read: nothing (its
+        file still ends there and no later one was started), or only this object's own
+        appends, taken from memory. Two ``stat``s: every daemon asks every ``POLL_S`` and a
+        writer reads back each of its writes, where a full read lists the directory and
+        opens the file. None: a full read is needed (another writer's bytes, a new file)."""
         segment, offset = divmod(position, 1 << _SEGMENT_SHIFT)
         try:
-            ends_there = os.stat(self._path(segment)).st_size == offset
+            size = os.stat(self._path(segment)).st_size
         except FileNotFoundError:  # deleted (the reader fell behind): the full read says so
-            return False
-        return ends_there and not os.path.exists(self._path(segment + 1))
+            return None
+        if os.path.exists(self._path(segment + 1)):
+            return None
+        records: list[Row] = []
+        with self._mine_lock:
+            starts, at = [], offset
+            while at < size:
+                mine = self._mine.get((segment, at))
+                if mine is None:
+                    return None
+                starts.append(at)
+                records += mine[1]
+                at += mine[0]
+            if at != size:
+                return None
+            for start in starts:
+                del self._mine[(segment, start)]
+        self._forget_mine_before((segment, size))
+        return JournalRead(records, (segment << _SEGMENT_SHIFT) | size, others=[])
 
     def _forget_mine_before(self, place: tuple[int, int]) -> None:
         """Drops own appends a read has passed (read from the file: it raced with the append)."""
@@ -414,14 +434,22 @@ class FileJournal(Journal):
                     return
                 del self._mine[first]
 
-    def _read_segment(self, segment: int, offset: int, limit: int, out: list[Row], others: list[Row]) -> int:
+    def _read_segment(
+        self, segment: int, offset: int, limit: int, out: list[Row], others: list[Row]
+    ) -> tuple[int, int]:
+        """Reads records of ``segment`` from ``offset``; returns (where reading stopped, the
+        file's size when read)."""
         try:
             fd = os.open(self._path(segment), os.O_RDONLY)
         except FileNotFoundError:
-            return offset
+            return offset, offset
         try:  # what was appended since, up to a bound (a whole frame always fits)
-            size = os.fstat(fd).st_size
-            data = os.pread(fd, min(size - offset, max(2 * _MAX_FRAME, limit * 256)), offset) if size > offset else b""
+            file_size = os.fstat(fd).st_size
+            data = (
+                os.pread(fd, min(file_size - offset, max(2 * _MAX_FRAME, limit * 256)), offset)
+                if file_size > offset
+                else b""
+            )
         finally:
             os.close(fd)
         at, want = 0, len(out) + limit
@@ -430,7 +458,7 @@ class FileJournal(Journal):
             if size > _MAX_FRAME:
                 log.warning("storage journal %s is damaged at byte %d; reading on from the next file",
                             self._path(segment), offset + at)  # fmt: skip
-                return 1 << (_SEGMENT_SHIFT - 1)  # past any offset: this file is finished
+                return 1 << (_SEGMENT_SHIFT - 1), file_size  # past any offset: this file is finished
             with self._mine_lock:
                 mine = self._mine.pop((segment, offset + at), None)
             if mine is not None and at + mine[0] <= len(data):
@@ -444,7 +472,7 @@ class FileJournal(Journal):
             out += rows
             others += rows
             at = end
-        return offset + at
+        return offset + at, file_size
 
     def _finished(self, segment: int, offset: int) -> bool:
         """Whether every record of ``segment`` was read: a writer may still append to a file
