@@ -105,6 +105,26 @@ class _Write:
     parent: bytes | None
 
 
+class _GoneDaemons:
+    """Which daemon processes have exited, each looked up once per step (jobs held together
+    went to the same daemons): none of an exited daemon's copies can run any more (its device
+    copies end with its process)."""
+
+    def __init__(self) -> None:
+        self._gone: dict[int, bool] = {}
+
+    def all(self, pids: tuple[int, ...] | None) -> bool:
+        """Whether every one of ``pids`` has exited (None: not known here, so not)."""
+        if pids is None:
+            return False
+        for pid in pids:
+            if pid not in self._gone:
+                self._gone[pid] = liveness.process_state(pid) == "gone"
+            if not self._gone[pid]:
+                return False
+        return True
+
+
 @dataclass
 class WorkerTimes:
     max_stall_s: float  # loads, and stores vLLM waits for
@@ -426,23 +446,17 @@ class CachexferdWorker(OffloadingWorker):
             self._fence.release_if_due(now)
         if not self._held:
             return
-        due = self._held if force else [job for job in self._held if now > job.not_after]
+        due = list(self._held) if force else [job for job in self._held if now > job.not_after]
         if due and not (force or self._device_quiet()):
             due = []
-        settled = {id(job) for job in due}
-        due += [job for job in self._held if id(job) not in settled and self._daemons_gone(job)]
+        settled, gone = {id(job) for job in due}, _GoneDaemons()
+        due += [job for job in self._held if id(job) not in settled and gone.all(job.daemons)]
         if not due:
             return
         settled = {id(job) for job in due}
         for job in due:
             self._settle(job)
         self._held = [job for job in self._held if id(job) not in settled]
-
-    @staticmethod
-    def _daemons_gone(job: _Job) -> bool:
-        """Whether every daemon process the job's commands went to has exited: none of its
-        copies can run any more (a killed daemon's device copies end with its process)."""
-        return job.daemons is not None and all(liveness.process_state(pid) == "gone" for pid in job.daemons)
 
     def _device_quiet(self) -> bool:
         fence = self._open_fence()
