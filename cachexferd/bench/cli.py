@@ -46,6 +46,9 @@ def add_bench(sub: Any) -> None:
     from .journal import add_journal_args
 
     add_journal_args(kinds.add_parser("journal", help="storage journal: CPU per stored object vs a raw append log"))
+    from .small_stores import add_small_stores_args
+
+    add_small_stores_args(kinds.add_parser("small-stores", help="daemon CPU and latency per small STORE vs a floor"))
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """``cachexferd bench journal``: CPU per stored object of the storage journal.
 
 Two daemons share one directory (tmpfs by default): the writer makes each STORE's records and
-queues them for the journal, whose writer thread writes them (STOREs that finish within
+hands them to the journal as a STORE's I/O thread does: written by that thread at once when
+the journal is idle, else queued for the journal's thread (STOREs that finish within
 ``LINGER_S`` of each other share a write), and its follower reads them back into its view;
 the other daemon's follower reads them, indexes the objects for its eviction (``learn``) and
 updates its view. Both run here, in one process, on real files, timed in CPU time per record
@@ -68,10 +69,10 @@ def journal_cpu(
     daemons: Daemons, names: list[str], per_store: int, pace_s: float, grouped: bool
 ) -> tuple[float, float]:
     """(writer, follower) CPU seconds for ``names`` stored in STOREs of ``per_store``, one
-    every ``pace_s`` (0: back to back). The writer makes each STORE's records and queues them
-    for the journal, as a daemon's STORE does (the objects' digests are those the STORE
-    computed to place them), then reads them back into its view, as a daemon's follower
-    does; the follower reads them, indexes the objects for its eviction and updates its view.
+    every ``pace_s`` (0: back to back). The writer makes each STORE's records and hands them
+    to the journal, as a daemon's STORE does on its I/O thread (the objects' digests are those
+    the STORE computed to place them), then reads them back into its view, as a daemon's
+    follower does; the follower reads them, indexes the objects for its eviction and updates its view.
     Not ``grouped``: each STORE's records are written on an I/O thread by a write of their
     own (the journal's write, handed to a thread per STORE), the baseline for grouping."""
     journal, writer, follower = daemons.journal, daemons.writer, daemons.follower
@@ -81,7 +82,7 @@ def journal_cpu(
     for i, at in zip(range(0, len(names), per_store), _pace(pace_s)):
         part = names[i : i + per_store]
         records = stored_records(part, [_TAG] * len(part), _OBJECT_BYTES)
-        written = journal.submit(records) if grouped else daemons.io.submit(journal._write, records)
+        written = journal.submit(records, here=True) if grouped else daemons.io.submit(journal._write, records)
         at()
     journal.flush()
     written.result()

@@ -81,7 +81,7 @@ def backend_setup(
     threads = len(shards(n, block, 1 if name == "mooncake" else args.io_threads))  # what the daemon's tier uses
     with contextlib.ExitStack() as stack:
         if name == "file":
-            root = Path(args.path) if args.path else _scratch(stack)
+            root = Path(args.path) if args.path else scratch_dir(stack)
             settings: dict[str, Any] = {"storage.backend": "file", "storage.file.path": str(root / "daemon")}
             raw: RawClient = RawFile(root / "raw", n, obj, threads)
         elif name == "redis":
@@ -112,7 +112,7 @@ def _stderr_to(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _scratch(stack: contextlib.ExitStack) -> Path:
+def scratch_dir(stack: contextlib.ExitStack) -> Path:
     """A tmpfs dir when there is one: the file backend then runs at memory speed, which
     exposes the daemon's own overhead (on a disk both sides wait for the disk)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -130,8 +130,10 @@ def _started(stack: contextlib.ExitStack, server: Any) -> Any:
 class DaemonSide:
     """A daemon subprocess with storage, an attached runner cache, and an engine client."""
 
-    def __init__(self, engine: EngineClient, n: int) -> None:
+    def __init__(self, engine: EngineClient, n: int, daemon: DaemonProcess) -> None:
         self.engine, self.n = engine, n
+        assert daemon.proc is not None, "started"
+        self.endpoint, self.pid = daemon.endpoint, daemon.proc.pid
         self.work_s = 0.0
 
     def call(self, fn: Callable[..., int], *args: Any) -> dict[str, Any]:
@@ -168,7 +170,7 @@ def daemon_side(workdir: Path, settings: dict[str, Any], layout: KVLayout, io_th
         engine = EngineClient([daemon.endpoint], timeout_s=300)
         stack.callback(engine.close)
         engine.connect()
-        side = DaemonSide(engine, n)
+        side = DaemonSide(engine, n, daemon)
         side.call(engine.swap_out, list(range(n)), list(range(n)))
         yield side
 

@@ -58,6 +58,8 @@ SHARD_MIN_BYTES = 4 << 20
 _POLL_S = 0.05  # how often a waiting command looks at its cancel token
 Call = Callable[[threading.Event], T]
 _Task = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
+_DONE: concurrent.futures.Future[None] = concurrent.futures.Future()
+_DONE.set_result(None)
 
 
 class IOPool:
@@ -92,6 +94,26 @@ class IOPool:
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+@dataclass
+class _Store:
+    """A STORE's objects: their names in chain order, host blocks, codec, the object the chain
+    extends, and the tags its journal records carry."""
+
+    names: list[str]
+    host_ids: Sequence[int]
+    codec: ObjectCodec
+    parent: str | None
+    tags: Sequence[bytes] | None
+
+    def __post_init__(self) -> None:
+        self.links = [self.parent, *self.names[:-1]]  # each object's chain link
+        self.used = stamps(len(self.names))
+
+    def records(self, stored: int) -> list[Row]:
+        """The journal records of the first ``stored`` objects."""
+        return stored_records(self.names[:stored], self.tags or [b""] * stored, self.codec.object_bytes)
 
 
 @dataclass
@@ -130,6 +152,9 @@ class StorageTier:
         if journal is not None:
             journal.on_failure = self._journal_failed
         self._journal_group: tuple[concurrent.futures.Future[None] | None, asyncio.Future[None] | None] = (None, None)
+        # STOREs running (changed on the event loop). A STORE's journal records wait up to
+        # LINGER_S for other STOREs' only while others run: one STORE at a time waits for none.
+        self._storing = 0
 
     def start(self) -> None:
         self.io.submit(self.backend.start)
@@ -152,29 +177,70 @@ class StorageTier:
         when the result is built; they are in the journal (with ``tags``) before it is sent."""
         codec = ObjectCodec(fingerprint, block_bytes, self.checksum)
         names = [self.name_of(k, version) for k in keys]
-        parent_name = None if parent is None else self.name_of(parent, version)
+        job = _Store(names, host_ids, codec, None if parent is None else self.name_of(parent, version), tags)
+        self._storing += 1
         try:
-            room = await self._begin_store(names, codec, parent_name, cancel)
-            reasons = await self._put_chain(names[:room], host_ids, codec, parent_name, cancel)
+            return await self._store(job, cancel)
         finally:
-            if self.backend.reserves_room and names:  # quick (memory only), but it takes the index lock
-                self.io.submit(functools.partial(self.backend.end_store, names, parent_name))
-        reasons += [NO_ROOM] * (len(names) - room)
-        stored = next((i for i, r in enumerate(reasons) if r is not None), len(reasons))
+            self._storing -= 1
+
+    async def _store(self, job: _Store, cancel: CancelToken) -> dict[str, Any]:
+        names, block_bytes = job.names, job.codec.block_bytes
+        parts = shards(len(names), block_bytes, self.shard_limit)
+        if len(parts) > 1:
+            reasons = await self._store_sharded(job, parts, cancel)
+            written = None
+        else:  # the usual: one I/O call does all, and one hand-off each way
+            ((reasons, written),) = await self._run("store", [functools.partial(self._store_at_once, job)], cancel)
+        stored = _leading_none(reasons)
         failed = [r for r in reasons if r is not None]
         if failed:
             self.metrics.storage_errors.labels("put_failed").inc(len(failed))
-            log.warning("store: %d of %d objects not written (first: %s)", len(failed), len(keys), failed[0])
-        if failed and stored == 0 and len(failed) == len(keys):
+            log.warning("store: %d of %d objects not written (first: %s)", len(failed), len(names), failed[0])
+        if failed and stored == 0 and len(failed) == len(names):
             raise ProtocolError(ErrorCode.STORAGE_ERROR, f"no object was written: {failed[0]}")
-        tags = tags or [b""] * stored
-        size = codec.object_bytes
-        await self._record(stored_records(names[:stored], tags, size), wait=True)
+        if written is None:
+            written = self._submit(job.records(stored), now=self._storing <= 1)
+        await self._written(written)
         if stored and self.backend.drops_writes:
             stored = await self._still_there(names[:stored], cancel)
-        written = len(keys) - len(failed)
-        self.metrics.transfer_bytes.labels("store").inc(written * block_bytes)
-        return {"stored": stored, "failed": len(failed), "bytes": written * block_bytes}
+        done = len(names) - len(failed)
+        self.metrics.transfer_bytes.labels("store").inc(done * block_bytes)
+        return {"stored": stored, "failed": len(failed), "bytes": done * block_bytes}
+
+    async def _store_sharded(self, job: _Store, parts: list[slice], cancel: CancelToken) -> list[str | None]:
+        """A STORE large enough to be written by several I/O threads at once: room first, then
+        the shards' writes, then the room released."""
+        try:
+            (room,) = await self._run("store", [lambda stop: self._reserve(job)], cancel, False)
+            parts = shards(room, job.codec.block_bytes, self.shard_limit)
+            chunks = await self._run("store", [self._put_call(job, p) for p in parts], cancel)
+        finally:
+            if self.backend.reserves_room and job.names:  # quick (memory only), but it takes the index lock
+                self.io.submit(functools.partial(self.backend.end_store, job.names, job.parent))
+        return [r for chunk in chunks for r in chunk] + [NO_ROOM] * (len(job.names) - room)
+
+    def _store_at_once(
+        self, job: _Store, stop: threading.Event
+    ) -> tuple[list[str | None], concurrent.futures.Future[None]]:
+        """A STORE on one I/O thread: room, writes, room released and, when the journal is
+        idle, its records written (a lone STORE wakes no other thread)."""
+        try:
+            room = self._reserve(job)
+            reasons = self._put_call(job, slice(0, room))(stop) if room else []
+        finally:
+            if self.backend.reserves_room and job.names:
+                self.backend.end_store(job.names, job.parent)
+        reasons += [NO_ROOM] * (len(job.names) - room)
+        return reasons, self._submit(job.records(_leading_none(reasons)), here=True, now=self._storing <= 1)
+
+    def _reserve(self, job: _Store) -> int:
+        """How many leading objects the store has room for (all, unless it ``reserves_room``)."""
+        if not self.backend.reserves_room or not job.names:
+            return len(job.names)
+        if self.feed is not None:  # count what other daemons wrote until now, not 0.1 s ago
+            self.feed.catch_up()
+        return self.backend.begin_store(job.names, job.codec.object_bytes, job.parent)
 
     async def _still_there(self, names: list[str], cancel: CancelToken) -> int:
         """How many leading objects a store that evicts by itself still holds. Asked after the
@@ -184,32 +250,6 @@ class StorageTier:
         gone = [n for n, there in zip(names, present) if not there]
         await self._record([JournalRecord(REMOVED, object_id(n)) for n in gone])
         return next((i for i, there in enumerate(present) if not there), len(names))
-
-    async def _begin_store(self, names: list[str], codec: ObjectCodec, parent: str | None, cancel: CancelToken) -> int:
-        """How many leading objects the store has room for (all, unless it ``reserves_room``)."""
-        if not self.backend.reserves_room or not names:
-            return len(names)
-
-        def reserve(stop: threading.Event) -> int:
-            if self.feed is not None:  # count what other daemons wrote until now, not 0.1 s ago
-                self.feed.catch_up()
-            return self.backend.begin_store(names, codec.object_bytes, parent)
-
-        calls: list[Call[int]] = [reserve]
-        (room,) = await self._run("store", calls, cancel, False)
-        return int(room)
-
-    async def _put_chain(
-        self, names: list[str], host_ids: Sequence[int], codec: ObjectCodec, parent: str | None, cancel: CancelToken
-    ) -> list[str | None]:
-        links = [parent, *names[:-1]]
-        used = stamps(len(names))
-
-        def call(part: slice) -> Call[list[str | None]]:  # the items are built on the I/O thread
-            return lambda stop: self.backend.put(self._put_items(names, host_ids, links, used, part, codec), stop)
-
-        parts = shards(len(names), codec.block_bytes, self.shard_limit)
-        return [r for chunk in await self._run("store", [call(p) for p in parts], cancel) for r in chunk]
 
     async def load(
         self, keys: Sequence[str], host_ids: Sequence[int], block_bytes: int, fingerprint: str, version: int,
@@ -268,17 +308,28 @@ class StorageTier:
         """Queues the records for the journal (written within ``LINGER_S``, in order with every
         record this daemon queued before). ``wait``: returns once they are written (or their
         write failed: a journal that fails costs the journal, not the command)."""
+        written = self._submit(records)
+        if wait:
+            await self._written(written)
+
+    def _submit(self, records: Sequence[Row], here: bool = False, now: bool = False) -> concurrent.futures.Future[None]:
+        """The records queued for the journal (``here``: on an I/O thread, which writes them
+        itself when the journal is idle; ``now``: no other records are expected, do not
+        linger); a done future when there is no journal."""
         journal = self.backend.journal
         if self.feed is None or journal is None or not records:
-            return
-        written = journal.submit(records)
-        if not wait:
+            return _DONE
+        return journal.submit(records, now=now, here=here)
+
+    async def _written(self, written: concurrent.futures.Future[None]) -> None:
+        """Returns once ``written`` is done (its failure is counted and logged by the journal)."""
+        if written.done():  # written on the I/O thread, or nothing to write
             return
         group, on_loop = self._journal_group
         if written is not group or on_loop is None:  # one loop future per write, not one per command
             on_loop = asyncio.wrap_future(written)
             self._journal_group = (written, on_loop)
-        with contextlib.suppress(Exception):  # counted and logged by the journal
+        with contextlib.suppress(Exception):
             await asyncio.shield(on_loop)
 
     def _journal_failed(self, records: int) -> None:
@@ -290,14 +341,16 @@ class StorageTier:
         offset = host_id * block_bytes
         return self.pool.memory(offset, block_bytes), self.pool.address + offset
 
-    def _put_items(
-        self, names: list[str], host_ids: Sequence[int], links: list[str | None], used: list[int], part: slice,
-        codec: ObjectCodec,
-    ) -> list[PutItem]:  # fmt: skip
+    def _put_call(self, job: _Store, part: slice) -> Call[list[str | None]]:
+        """Writes ``part`` of the STORE's objects (the items are built on the I/O thread)."""
+        return lambda stop: self.backend.put(self._put_items(job, part), stop)
+
+    def _put_items(self, job: _Store, part: slice) -> list[PutItem]:
         # Backends check ``stop`` before each object and compute its header (the checksum
         # pass) only then: a block the engine may have reused since is never checksummed.
+        codec, names, links, used = job.codec, job.names, job.links, job.used
         return [
-            PutItem(names[i], *self._view(host_ids[i], codec.block_bytes), codec.header, links[i], used[i])
+            PutItem(names[i], *self._view(job.host_ids[i], codec.block_bytes), codec.header, links[i], used[i])
             for i in range(part.start, part.stop)
         ]
 
@@ -411,6 +464,11 @@ class StorageTier:
             self.backend.close()
         except Exception as exc:
             log.warning("closing storage backend %s: %s", self.backend.name, exc)
+
+
+def _leading_none(reasons: list[str | None]) -> int:
+    """How many leading objects a STORE wrote (its reasons: None per object written)."""
+    return next((i for i, r in enumerate(reasons) if r is not None), len(reasons))
 
 
 def _verify(codec: ObjectCodec, name: str, got: GetResult, payload: memoryview) -> GetResult:

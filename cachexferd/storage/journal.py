@@ -98,13 +98,14 @@ class JournalRead:
 
 class Journal(ABC):
     """Appends from any daemon, reads in one order; thread-safe. ``submit`` never blocks on I/O
-    (the event loop calls it); reads block (I/O threads only).
+    unless asked to write ``here`` (the event loop calls it); reads block (I/O threads only).
 
     Records are written in groups by a thread of the journal's own, at most one write every
     ``LINGER_S``: a record that comes after a quiet spell is written at once, one that comes
     sooner waits for the rest of ``LINGER_S`` and goes with every record that came meanwhile.
     So the records of STOREs that finish together (several requests' stores in one engine
-    step) cost one write, not one each, and a lone STORE waits for none. Every daemon reads
+    step) cost one write, not one each, and a lone STORE waits for none: its I/O thread
+    writes its records itself, no thread is woken for them. Every daemon reads
     the journal every ``POLL_S`` (0.1 s), so the wait delays no reader noticeably. A daemon that is
     killed loses at most its last ``LINGER_S`` of records, none of a STORE it reported (its
     outcome waits for them): other daemons learn of those removals when they find the objects
@@ -129,26 +130,48 @@ class Journal(ABC):
         self.write_cpu_s = 0.0  # CPU time of the writes (making the frames included)
         self.on_failure: Callable[[int], None] | None = None  # given the records of each failed write
 
-    def submit(self, records: Sequence[Row], now: bool = False) -> Future[None]:
+    def submit(self, records: Sequence[Row], now: bool = False, here: bool = False) -> Future[None]:
         """Queues the records after every record queued before them; the future completes once
         they are written (or with the error their write failed with, which is also logged).
-        ``now``: the caller waits for them, so their write does not linger."""
+        ``now``: no other records are expected soon (or the caller waits for these), so their
+        write does not linger. ``here``: the caller may block (an I/O thread), so records
+        that would be written at once (nothing queued or being written and, unless ``now``,
+        no write for ``LINGER_S``) are written by it before this returns, without waking the
+        journal's thread."""
         if not records:
             return _DONE
         with self._queue:
             if self._stopped:  # closed: written here
                 return self._write_now(list(records))
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._write_groups, name="storage-journal-writer", daemon=True)
-                self._writer.start()
-            if now or len(self._group) >= LINGER_RECORDS:
-                self._now = True
-                self._queue.notify()
-            elif not self._group:
-                self._queue.notify()  # the writer sleeps until records come
-            self._group += records
-            self.submits += 1
-            return self._group_written
+            if here and self._idle(now) and self._writing.acquire(blocking=False):
+                written: Future[None] = Future()
+                self._last_group, self._last_write = written, time.monotonic()
+                self.submits += 1
+            else:
+                return self._queued(records, now)
+        self._write_group(list(records), written, held=True)  # later records queue behind it
+        return written
+
+    def _idle(self, now: bool) -> bool:
+        """Nothing queued or being written and, unless ``now``, no write started within
+        ``LINGER_S`` (so records that come close together share a write). Called under ``_queue``."""
+        if self._group or not self._last_group.done():
+            return False
+        return now or time.monotonic() >= self._last_write + LINGER_S
+
+    def _queued(self, records: Sequence[Row], now: bool) -> Future[None]:
+        """Queues the records for the journal's thread (called under ``_queue``)."""
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_groups, name="storage-journal-writer", daemon=True)
+            self._writer.start()
+        if now or len(self._group) >= LINGER_RECORDS:
+            self._now = True
+            self._queue.notify()
+        elif not self._group:
+            self._queue.notify()  # the writer sleeps until records come
+        self._group += records
+        self.submits += 1
+        return self._group_written
 
     def append(self, records: Sequence[Row]) -> None:
         """Writes the records (after every record queued before them) and returns once they
@@ -188,9 +211,12 @@ class Journal(ABC):
         self._write_group(records, written)
         return written
 
-    def _write_group(self, records: list[Row], written: Future[None]) -> None:
+    def _write_group(self, records: list[Row], written: Future[None], held: bool = False) -> None:
+        """Writes the records (``held``: the caller holds ``_writing`` already) and completes ``written``."""
         try:
-            with self._writing:
+            if not held:
+                self._writing.acquire()
+            try:
                 started = time.thread_time()
                 try:
                     self._write(records)
@@ -198,6 +224,8 @@ class Journal(ABC):
                     self.write_cpu_s += time.thread_time() - started
                 self.writes += 1
                 self.written += len(records)
+            finally:
+                self._writing.release()
         except Exception as exc:  # the store's own error types, OSError, a server gone
             self.failed += len(records)
             log.warning("storage journal: %d record(s) not written: %s", len(records), exc)

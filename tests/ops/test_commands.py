@@ -100,3 +100,19 @@ def test_bench_journal_reports_every_row(short_tmp: Path) -> None:
         assert row["stores_per_write"] >= 1.0
     assert rows[0]["stores_per_write"] > 1.0, "64 one-object STOREs back to back shared writes"
     assert f"{'1':>13}  {'0':>7}" in result.stdout
+
+
+def test_bench_small_stores_reports_both_rows(short_tmp: Path) -> None:
+    out = short_tmp / "small.json"
+    args = ["--stores", "40", "--rounds", "1", "--window", "4", "--blocks", "2", "--block-bytes", "8KiB"]
+    result = run_cli(["bench", "small-stores", *args, "--path", str(short_tmp / "store"), "--json", str(out)],
+                     short_tmp, timeout_s=300)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["window"], r["blocks"], r["stores"], r["failed"]) for r in rows] == [(1, 2, 40, 0), (4, 2, 40, 0)]
+    for row in rows:
+        assert row["daemon_cpu_us"] > 0 and row["raw_put_cpu_us"] > 0 and row["over_floor"] > 0
+        assert 0 < row["daemon_p50_ms"] <= row["daemon_p99_ms"]
+    stored = list((short_tmp / "store" / "daemon").glob("??/??/*"))
+    assert len(stored) == 2 * 40 * 2 * 2, "every STORE of both rounds of both rows wrote its objects"
+    assert "daemon/floor" in result.stdout

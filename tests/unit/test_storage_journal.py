@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import msgpack
@@ -370,4 +371,48 @@ def test_a_record_after_a_quiet_spell_is_written_at_once_and_one_soon_after_wait
     journal.append(stores("c", 1))  # a caller that waits: its write (and the one queued before) goes now
     assert second.done() and names_in(directory) == ["w0/a0", "w0/b0", "w0/c0"]
     assert journal.writes == 2
+    journal.close()
+
+
+def test_a_caller_that_may_block_writes_a_lone_store_itself_and_queues_one_soon_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(journal_module, "LINGER_S", 10.0)  # writes start at most every 10 s
+    directory = str(tmp_path / "j")
+    journal = FileJournal(directory)
+    lone = journal.submit(stores("a", 2), here=True)
+    assert lone.done() and lone.exception() is None, "written before submit returned"
+    assert journal._writer is None, "no thread was started (or woken) for a lone store"
+    soon = journal.submit(stores("b", 1), here=True)  # within 10 s of that write: it waits, with the next
+    time.sleep(0.3)
+    assert not soon.done(), "a record soon after a write waits for the rest of LINGER_S, here or not"
+    journal.append(stores("c", 1))
+    assert soon.done() and names_in(directory) == ["w0/a0", "w0/a1", "w0/b0", "w0/c0"]
+    assert (journal.submits, journal.writes) == (3, 2)
+    alone = journal.submit(stores("d", 1), here=True, now=True)  # no others expected: no linger
+    assert alone.done() and journal.writes == 3 and names_in(directory)[-1] == "w0/d0"
+    journal.close()
+
+
+def test_records_queued_while_a_caller_writes_its_own_are_written_after_them(tmp_path: Path) -> None:
+    directory = str(tmp_path / "j")
+    journal = Gated(directory)
+    first: list[Future[None]] = []
+    caller = threading.Thread(target=lambda: first.append(journal.submit(stores("a", 1), here=True)))
+    caller.start()
+    assert journal.entered.wait(5), "the caller began writing its own record"
+    assert journal._writer is None
+    queued = journal.submit(stores("b", 2))  # from the event loop: never waits for the write under way
+    also_here = journal.submit(stores("c", 1), here=True)  # the journal is busy: queued, not written here
+    assert not queued.done() and also_here is queued
+    flushed = threading.Event()
+    flusher = threading.Thread(target=lambda: (journal.flush(10), flushed.set()))
+    flusher.start()
+    assert not flushed.wait(0.2), "flush returned while the caller's write was blocked"
+    journal.gate.set()
+    caller.join(5)
+    assert flushed.wait(5) and first[0].done() and queued.result(timeout=5) is None
+    flusher.join(5)
+    assert names_in(directory) == ["w0/a0", "w0/b0", "w0/b1", "w0/c0"]
+    assert (journal.submits, journal.writes) == (3, 2)
     journal.close()

@@ -12,15 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from cachexferd.backends.base import CancelToken
 from cachexferd.config import load_config
+from cachexferd.daemon import storage_tier
 from cachexferd.daemon.jobs import HoldBlocks
 from cachexferd.daemon.ordering import Access
-from cachexferd.daemon.storage_tier import IOPool, StorageTier, shards
+from cachexferd.daemon.storage_tier import SHARD_MIN_BYTES, IOPool, StorageTier, shards
 from cachexferd.host_cache import HostPool
 from cachexferd.metrics import DaemonMetrics
 from cachexferd.protocol import ErrorCode, ProtocolError
+from cachexferd.storage import journal as journal_module
 from cachexferd.storage.base import (
     MISSING,
     GetItem,
@@ -31,7 +34,9 @@ from cachexferd.storage.base import (
     StorageFailure,
     StorageUnavailable,
 )
+from cachexferd.storage.file import FileBackend
 from cachexferd.storage.journal import FileJournal
+from cachexferd.storage.objects import HEADER_BYTES
 
 FP = "0123456789abcdef"
 BLOCK = 4096
@@ -307,5 +312,57 @@ def test_a_journal_that_fails_costs_the_journal_not_the_store(tmp_path: Path) ->
         assert result["stored"] == 2 and errors(t, "journal") == 1
         assert t.describe()["journal"]["not_written"] == 2 and t.describe()["journal"]["written"] == 0
         assert run(t.load(["k0", "k1"], [10, 11], BLOCK, FP, 0, CancelToken())) == 2
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("shard_bytes", [SHARD_MIN_BYTES, 2 * (BLOCK + HEADER_BYTES)], ids=["one call", "shards"])
+def test_a_store_past_the_room_writes_its_leading_objects_and_their_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard_bytes: int
+) -> None:
+    """One I/O call (room, writes, room released, records) or several shards: the same objects
+    and records; a lone STORE's records are written by its I/O thread, no thread woken."""
+    monkeypatch.setattr(storage_tier, "SHARD_MIN_BYTES", shard_bytes)
+    config = load_config(overrides={"storage.io_threads": 2}, environ={})
+    backend = FileBackend(tmp_path / "store", capacity=6 * (BLOCK + HEADER_BYTES), journal=True)
+    pool = HostPool(64 * BLOCK)
+    pool.tensor.random_(0, 256)
+    t = StorageTier(backend, config.storage, pool, DaemonMetrics(0, "cpu"))
+    t.start()
+    keys = [f"k{i}" for i in range(8)]
+    try:
+        deadline = time.monotonic() + 10
+        while not backend.index.scanned:  # capacity counts once the directory is known
+            assert time.monotonic() < deadline, "the file backend's first scan did not end"
+            time.sleep(0.01)
+        result = run(t.store(keys, list(range(8)), BLOCK, FP, 0, CancelToken(), tags=[b"t%d" % i for i in range(8)]))
+        assert (result["stored"], result["failed"]) == (6, 2), "six fit the capacity, the last two had no room"
+        assert backend.journal is not None
+        assert (backend.journal._writer is None) == (shard_bytes == SHARD_MIN_BYTES), "a lone STORE woke a thread"
+        records = FileJournal(str(tmp_path / "store" / ".journal")).read(0, 100).records
+        assert [(r[2], r[3]) for r in records] == [(f"w0/k{i}", b"t%d" % i) for i in range(6)]
+        before = pool.tensor.clone()
+        assert run(t.load(keys, list(range(20, 28)), BLOCK, FP, 0, CancelToken())) == 6
+        view = pool.tensor.view(64, BLOCK)
+        assert torch.equal(view[20:26], before.view(64, BLOCK)[0:6]), "loaded bytes are the stored blocks'"
+        assert torch.equal(view[26:], before.view(64, BLOCK)[26:]), "blocks past the delivered prefix untouched"
+        assert torch.equal(view[:20], before.view(64, BLOCK)[:20])
+    finally:
+        t.close()
+
+
+def test_one_store_at_a_time_waits_for_no_other_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A STORE's records wait (up to LINGER_S) for other STOREs' only while others run."""
+    monkeypatch.setattr(journal_module, "LINGER_S", 10.0)
+    t = journaled_tier(tmp_path / "journal")
+
+    async def one_at_a_time() -> None:
+        for i in range(3):
+            result = await asyncio.wait_for(t.store([f"q{i}"], [i], BLOCK, FP, 0, CancelToken()), 5)
+            assert result["stored"] == 1
+
+    try:
+        run(one_at_a_time())
+        assert t.backend.journal is not None and t.backend.journal.writes == 3
     finally:
         t.close()
