@@ -101,11 +101,12 @@ class Journal(ABC):
     unless asked to write ``here`` (the event loop calls it); reads block (I/O threads only).
 
     Records are written in groups by a thread of the journal's own, at most one write every
-    ``LINGER_S``: a record that comes after a quiet spell is written at once, one that comes
-    sooner waits for the rest of ``LINGER_S`` and goes with every record that came meanwhile.
-    So the records of STOREs that finish together (several requests' stores in one engine
-    step) cost one write, not one each, and a lone STORE waits for none: its I/O thread
-    writes its records itself, no thread is woken for them. Every daemon reads
+    ``LINGER_S``: a record that comes after a quiet spell (or ``now``: none other is expected)
+    is written at once, one that comes sooner waits for the rest of ``LINGER_S`` and goes
+    with every record that came meanwhile. So the records of STOREs that finish together
+    (several requests' stores in one engine step) cost one write, not one each, and a lone
+    STORE waits for none: its I/O thread writes its records itself, no thread is woken for
+    them. Every daemon reads
     the journal every ``POLL_S`` (0.1 s), so the wait delays no reader noticeably. A daemon that is
     killed loses at most its last ``LINGER_S`` of records, none of a STORE it reported (its
     outcome waits for them): other daemons learn of those removals when they find the objects
