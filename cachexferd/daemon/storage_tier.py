@@ -110,6 +110,7 @@ class _Store:
     def __post_init__(self) -> None:
         self.links = [self.parent, *self.names[:-1]]  # each object's chain link
         self.used = stamps(len(self.names))
+        self.reserved = False  # holds room and pins (``reserves_room`` backends) until released
 
     def records(self, stored: int) -> list[Row]:
         """The journal records of the first ``stored`` objects."""
@@ -155,6 +156,7 @@ class StorageTier:
         # STOREs running (changed on the event loop). A STORE's journal records wait up to
         # LINGER_S for other STOREs' only while others run: one STORE at a time waits for none.
         self._storing = 0
+        self._releasing = threading.Lock()  # a STORE's room is released by exactly one thread
 
     def start(self) -> None:
         self.io.submit(self.backend.start)
@@ -212,12 +214,11 @@ class StorageTier:
         """A STORE large enough to be written by several I/O threads at once: room first, then
         the shards' writes, then the room released."""
         try:
-            (room,) = await self._run("store", [lambda stop: self._reserve(job)], cancel, False)
+            (room,) = await self._run("store", [functools.partial(self._reserve, job)], cancel, False)
             parts = shards(room, job.codec.block_bytes, self.shard_limit)
             chunks = await self._run("store", [self._put_call(job, p) for p in parts], cancel)
-        finally:
-            if self.backend.reserves_room and job.names:  # quick (memory only), but it takes the index lock
-                self.io.submit(functools.partial(self.backend.end_store, job.names, job.parent))
+        finally:  # quick (memory only), but it takes the index lock
+            self.io.submit(functools.partial(self._release, job))
         return [r for chunk in chunks for r in chunk] + [NO_ROOM] * (len(job.names) - room)
 
     def _store_at_once(
@@ -225,22 +226,35 @@ class StorageTier:
     ) -> tuple[list[str | None], concurrent.futures.Future[None]]:
         """A STORE on one I/O thread: room, writes, room released and, when the journal is
         idle, its records written (a lone STORE wakes no other thread)."""
+        room = self._reserve(job, stop)
         try:
-            room = self._reserve(job)
             reasons = self._put_call(job, slice(0, room))(stop) if room else []
         finally:
-            if self.backend.reserves_room and job.names:
-                self.backend.end_store(job.names, job.parent)
+            self._release(job)
         reasons += [NO_ROOM] * (len(job.names) - room)
         return reasons, self._submit(job.records(_leading_none(reasons)), here=True, now=self._storing <= 1)
 
-    def _reserve(self, job: _Store) -> int:
-        """How many leading objects the store has room for (all, unless it ``reserves_room``)."""
+    def _reserve(self, job: _Store, stop: threading.Event) -> int:
+        """How many leading objects the store has room for (all, unless it ``reserves_room``,
+        which then holds that room and pins the objects until ``_release``)."""
         if not self.backend.reserves_room or not job.names:
             return len(job.names)
         if self.feed is not None:  # count what other daemons wrote until now, not 0.1 s ago
-            self.feed.catch_up()
-        return self.backend.begin_store(job.names, job.codec.object_bytes, job.parent)
+            with contextlib.suppress(Exception):  # unreadable: the follower logs it; the STORE goes on
+                self.feed.catch_up()
+        room = self.backend.begin_store(job.names, job.codec.object_bytes, job.parent)
+        job.reserved = True
+        if stop.is_set():  # the STORE gave up while this ran: its end did not wait for this call
+            self._release(job)
+        return room
+
+    def _release(self, job: _Store) -> None:
+        """Ends the room and pins ``_reserve`` made, once; nothing when it made none (a release
+        without its reservation would unpin another STORE's objects, such as a shared parent)."""
+        with self._releasing:
+            reserved, job.reserved = job.reserved, False
+        if reserved:
+            self.backend.end_store(job.names, job.parent)
 
     async def _still_there(self, names: list[str], cancel: CancelToken) -> int:
         """How many leading objects a store that evicts by itself still holds. Asked after the

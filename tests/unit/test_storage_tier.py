@@ -35,7 +35,7 @@ from cachexferd.storage.base import (
     StorageUnavailable,
 )
 from cachexferd.storage.file import FileBackend
-from cachexferd.storage.journal import FileJournal
+from cachexferd.storage.journal import FileJournal, object_id
 from cachexferd.storage.objects import HEADER_BYTES
 
 FP = "0123456789abcdef"
@@ -366,3 +366,89 @@ def test_one_store_at_a_time_waits_for_no_other_records(tmp_path: Path, monkeypa
         assert t.backend.journal is not None and t.backend.journal.writes == 3
     finally:
         t.close()
+
+
+def file_tier(root: Path, timeout_s: float = 10.0) -> tuple[StorageTier, FileBackend]:
+    """A tier on a real file backend with its journal, its first scan done."""
+    config = load_config(overrides={"storage.io_threads": 2, "storage.timeout_s": timeout_s}, environ={})
+    backend = FileBackend(root, capacity=1 << 30, journal=True)
+    pool = HostPool(64 * BLOCK)
+    pool.tensor.random_(0, 256)
+    t = StorageTier(backend, config.storage, pool, DaemonMetrics(0, "cpu"))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not backend.index.scanned:
+        assert time.monotonic() < deadline, "the file backend's first scan did not end"
+        time.sleep(0.01)
+    return t, backend
+
+
+@pytest.mark.parametrize("count", [1, 4], ids=["one call", "shards"])
+def test_a_store_that_could_not_make_room_releases_no_other_stores_pins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count: int
+) -> None:
+    monkeypatch.setattr(storage_tier, "SHARD_MIN_BYTES", BLOCK)  # 4 objects: 2 shards (2 I/O threads)
+    t, backend = file_tier(tmp_path / "store")
+    parent = object_id("w0/p")
+    # Another STORE extending the same chain is running: it pins the parent.
+    backend.index.reserve([object_id("w0/other")], BLOCK + HEADER_BYTES, None, 1, parent)
+
+    def no_room(names: list[str], object_bytes: int, parent: str | None = None) -> int:
+        raise StorageUnavailable("the store went away")
+
+    monkeypatch.setattr(backend, "begin_store", no_room)
+    try:
+        with pytest.raises(ProtocolError) as err:
+            run(t.store([f"k{i}" for i in range(count)], list(range(count)), BLOCK, FP, 0, CancelToken(), parent="p"))
+        assert err.value.code is ErrorCode.STORAGE_UNAVAILABLE
+    finally:
+        t.close()  # runs what was queued on the I/O threads (a release) first
+    assert backend.index.pinned(parent), "a STORE that reserved nothing released the other STORE's pin"
+
+
+def test_a_journal_that_cannot_be_read_costs_the_journal_not_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t, _ = file_tier(tmp_path / "store")
+
+    def unreadable() -> bool:
+        raise OSError("the journal cannot be read")
+
+    assert t.feed is not None
+    monkeypatch.setattr(t.feed, "catch_up", unreadable)
+    try:
+        assert run(t.store(["k0", "k1"], [0, 1], BLOCK, FP, 0, CancelToken()))["stored"] == 2
+        assert run(t.load(["k0", "k1"], [10, 11], BLOCK, FP, 0, CancelToken())) == 2
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("count", [1, 4], ids=["one call", "shards"])
+def test_room_made_after_the_store_gave_up_is_released(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count: int
+) -> None:
+    monkeypatch.setattr(storage_tier, "SHARD_MIN_BYTES", BLOCK)  # 4 objects: 2 shards (2 I/O threads)
+    t, backend = file_tier(tmp_path / "store", timeout_s=0.3)
+    slow, made = threading.Event(), backend.begin_store
+
+    def slow_room(names: list[str], object_bytes: int, parent: str | None = None) -> int:
+        assert slow.wait(10), "the test never let the room be made"
+        return made(names, object_bytes, parent)
+
+    monkeypatch.setattr(backend, "begin_store", slow_room)
+    keys = [f"k{i}" for i in range(count)]
+
+    async def scenario() -> None:
+        with pytest.raises(HoldBlocks) as exc:  # past the 0.3 s deadline and the 0.3 s grace
+            await t.store(keys, list(range(count)), BLOCK, FP, 0, CancelToken(), parent="p")
+        assert exc.value.code == ErrorCode.STORAGE_TIMEOUT
+        slow.set()  # the room is made now, after the STORE's outcome
+        await asyncio.wait_for(asyncio.ensure_future(exc.value.running), 5)
+
+    try:
+        run(scenario())
+    finally:
+        t.close()
+    held = [object_id(f"w0/{k}") for k in ["p", *keys]]
+    assert not any(backend.index.pinned(oid) for oid in held), "the late room was never released"
+    assert backend.index._reserved_bytes == 0
