@@ -31,7 +31,7 @@ from typing import Any
 from ..daemon.server import tune_gc
 from ..daemon.storage_feed import StorageFeed
 from ..storage.file import FileBackend, object_path
-from ..storage.journal import FileJournal, frames, stored_records
+from ..storage.journal import FileJournal, frames, stored_batch
 
 _TAG = bytes(36)  # a vLLM offload key: 32-byte block hash + 4-byte group
 _OBJECT_BYTES = (1 << 20) + 64
@@ -81,8 +81,8 @@ def journal_cpu(
     start = time.process_time()
     for i, at in zip(range(0, len(names), per_store), _pace(pace_s)):
         part = names[i : i + per_store]
-        records = stored_records(part, [_TAG] * len(part), _OBJECT_BYTES)
-        written = journal.submit(records, here=True) if grouped else daemons.io.submit(journal._write, records)
+        records = stored_batch(part, [_TAG] * len(part), _OBJECT_BYTES)
+        written = journal.submit(records, here=True) if grouped else daemons.io.submit(journal._write, [records])
         at()
     journal.flush()
     written.result()
@@ -125,11 +125,12 @@ def pace_cpu(stores: int, pace_s: float) -> float:
 
 def raw_cpu(root: Path, names: list[str], per_store: int) -> float:
     """CPU seconds of the same bytes through one ``os.write`` per STORE and one read back."""
-    records = stored_records(names, [_TAG] * len(names), _OBJECT_BYTES)
+    stores = [stored_batch(names[i : i + per_store], [_TAG] * per_store, _OBJECT_BYTES)
+              for i in range(0, len(names), per_store)]  # fmt: skip
     path = str(root / "raw.log")
     start = time.process_time()
-    for i in range(0, len(records), per_store):
-        data = b"".join(len(f).to_bytes(4, "little") + f for f in frames(records[i : i + per_store]))
+    for batch in stores:
+        data = b"".join(len(f).to_bytes(4, "little") + f for f in frames([batch]))
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
         os.write(fd, data)
         os.close(fd)

@@ -40,7 +40,7 @@ from ..storage.base import (
     StorageUnavailable,
     stamps,
 )
-from ..storage.journal import REMOVED, JournalRecord, Row, object_id, stored_records
+from ..storage.journal import REMOVED, Batch, JournalRecord, Row, object_id, stored_batch
 from ..storage.objects import Checksum, ObjectCodec, Verdict, object_name
 from .jobs import HoldBlocks
 from .storage_feed import StorageFeed
@@ -112,9 +112,9 @@ class _Store:
         self.used = stamps(len(self.names))
         self.reserved = False  # holds room and pins (``reserves_room`` backends) until released
 
-    def records(self, stored: int) -> list[Row]:
+    def records(self, stored: int) -> Batch:
         """The journal records of the first ``stored`` objects."""
-        return stored_records(self.names[:stored], self.tags or [b""] * stored, self.codec.object_bytes)
+        return stored_batch(self.names[:stored], self.tags or [b""] * stored, self.codec.object_bytes)
 
 
 @dataclass
@@ -326,7 +326,9 @@ class StorageTier:
         if wait:
             await self._written(written)
 
-    def _submit(self, records: Sequence[Row], here: bool = False, now: bool = False) -> concurrent.futures.Future[None]:
+    def _submit(
+        self, records: Sequence[Row] | Batch, here: bool = False, now: bool = False
+    ) -> concurrent.futures.Future[None]:
         """The records queued for the journal (``here``: on an I/O thread, which writes them
         itself when the journal is idle; ``now``: no other records are expected, do not
         linger); a done future when there is no journal."""

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .journal import Journal, Row
+    from .journal import Batch, Journal
 
 NO_ROOM = (
     "no room: the store (storage.capacity or its file system) is full of objects that may not make room for this "
@@ -148,7 +148,7 @@ class StorageBackend(ABC):
     def end_store(self, names: list[str], parent: str | None = None) -> None:  # noqa: B027 - optional hook
         """After the STORE's puts have returned (or were abandoned)."""
 
-    def learn(self, records: Sequence[Row]) -> None:  # noqa: B027 - optional hook
+    def learn(self, batches: Sequence[Batch]) -> None:  # noqa: B027 - optional hook
         """What the journal says every daemon on the store did (``journal`` backends; on the
         journal's reading thread): a backend that evicts by itself indexes others' objects."""
 

@@ -51,7 +51,7 @@ from .base import (
     StorageUnavailable,
 )
 from .eviction import EvictionIndex
-from .journal import ID_OF, OP_OF, REMOVED, SIZE_OF, STORED, FileJournal, JournalRecord, Row, object_id
+from .journal import REMOVED, STORED, Batch, FileJournal, JournalRecord, object_id
 from .objects import HEADER_BYTES
 
 if TYPE_CHECKING:
@@ -149,26 +149,39 @@ class FileBackend(StorageBackend):
             log.debug("evicted %d objects from %s", len(ids), self.root)
             self._record_removed(ids)
 
-    def learn(self, records: Sequence[Row]) -> None:
+    def learn(self, batches: Sequence[Batch]) -> None:
         """Indexes the objects other daemons on the directory store as soon as the journal
-        says so (not at the next scan), so capacity and eviction count them; forgets removed ones."""
+        says so (not at the next scan), so capacity and eviction count them; forgets removed
+        ones. Stores of known sizes (the usual) enter the index together: a few C calls."""
         now, index = time.time_ns(), self.index
-        sizes = list(map(SIZE_OF, records))
-        if set(map(OP_OF, records)) == {STORED} and 0 not in sizes:  # the usual batch: stores only
-            index.arrived(list(map(ID_OF, records)), sizes, now)
+        ids: list[bytes] = []
+        sizes: list[int] = []
+        for batch in batches:
+            if batch.op == STORED and batch.size:
+                ids += batch.ids
+                sizes += [batch.size] * len(batch)
+                continue
+            if ids:  # in the journal's order
+                index.arrived(ids, sizes, now)
+                ids, sizes = [], []
+            self._learn_one_by_one(batch, now)
+        if ids:
+            index.arrived(ids, sizes, now)
+
+    def _learn_one_by_one(self, batch: Batch, now: int) -> None:
+        """Removals, and stores whose size the record does not say."""
+        if batch.op == REMOVED:
+            for oid in batch.ids:
+                self.index.discard(oid)
             return
         new: list[tuple[bytes, int, int]] = []
-        for op, oid, _, _, size in records:
-            if op == REMOVED:
-                index.discard(oid)
-            elif size:  # stored just now: no need to ask the file system (known ones are skipped)
-                new.append((oid, size, now))
-            elif oid not in index:
+        for oid in batch.ids:
+            if oid not in self.index:
                 with contextlib.suppress(OSError):  # gone again already
                     st = os.stat(id_path(self._root, oid))
                     new.append((oid, st.st_size, st.st_mtime_ns))
         if new:
-            index.known_many(new)
+            self.index.known_many(new)
 
     def _record_removed(self, ids: list[bytes]) -> None:
         """Tells every daemon on the store (the journal) that these objects are gone."""

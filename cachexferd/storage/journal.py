@@ -72,28 +72,101 @@ class JournalRecord(NamedTuple):  # a tuple: hundreds of thousands are made per 
     size: int = 0  # the object's bytes (stored records; 0: not known)
 
 
-# A record as a plain tuple in JournalRecord's order: what is read back (made by msgpack, in
-# C: every daemon on a store reads every record, so nothing is built per record in Python).
+# A record as a plain tuple in JournalRecord's order (made only where one record is needed:
+# records travel and are kept as batches, below).
 Row = tuple[int, bytes, str, bytes, int]
+# A Row's fields, read in C
+_ID_OF, _NAME_OF, _TAG_OF, _OP_AND_SIZE = (operator.itemgetter(1), operator.itemgetter(2), operator.itemgetter(3),
+                                           operator.itemgetter(0, 4))  # fmt: skip
 
 
 def stored_records(names: Sequence[str], tags: Sequence[bytes], size: int) -> list[Row]:
-    """The records of a STORE's objects (``size`` bytes each), with their tags."""
+    """The records of a STORE's objects (``size`` bytes each), with their tags, as rows."""
     return [(STORED, object_id(n), n, t, size) for n, t in zip(names, tags)]
+
+
+class Batch:
+    """Records of one op and object size, as columns: a STORE's, a frame read back, one of
+    this daemon's own appends. Every daemon on a store reads every record and a STORE's
+    records cross several threads, so they stay columns (the object ids split out, in C)
+    and a record is made into a row only when asked for: a page for a client, a removal of
+    one of its objects. Following the journal costs a dictionary entry per object, not an
+    object per record."""
+
+    __slots__ = ("_at", "ids", "live", "names", "op", "size", "tags")
+
+    def __init__(self, op: int, ids: Sequence[bytes], size: int = 0, names: Sequence[str] | None = None,
+                 tags: Sequence[bytes] | None = None) -> None:  # fmt: skip
+        self.op, self.ids, self.size = op, ids, size  # size: each object's bytes (0: not known)
+        self.names = ("",) * len(ids) if names is None else names  # removals carry none
+        self.tags = (b"",) * len(ids) if tags is None else tags
+        self._at: dict[bytes, int] | None = None  # object id -> its last index, made when first needed
+        self.live = len(ids)  # records a view still holds from this batch (the view counts them down)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def row(self, i: int) -> Row:
+        return (self.op, self.ids[i], self.names[i], self.tags[i], self.size)
+
+    def rows(self) -> list[Row]:
+        count = len(self.ids)
+        return list(zip(itertools.repeat(self.op, count), self.ids, self.names, self.tags,
+                        itertools.repeat(self.size, count)))  # fmt: skip
+
+    def row_of(self, object_id: bytes) -> Row:
+        """The record of ``object_id`` (the last, should it be here twice). The first call
+        indexes the batch (a removal, usually: the rest of its objects go the same way)."""
+        if self._at is None:
+            self._at = dict(zip(self.ids, range(len(self.ids))))
+        return self.row(self._at[object_id])
+
+
+def stored_batch(names: Sequence[str], tags: Sequence[bytes], size: int) -> Batch:
+    """The records of a STORE's objects (``size`` bytes each), with their tags (one per name:
+    those beyond are left out)."""
+    return Batch(
+        STORED, tuple(map(object_id, names)), size, names, tags if len(tags) == len(names) else tags[: len(names)]
+    )
+
+
+def batches_of(records: Sequence[Row] | Batch) -> list[Batch]:
+    """Records as batches: one per run of records of the same op and size."""
+    if isinstance(records, Batch):  # what a STORE hands over
+        return [records] if records.ids else []
+    out = []
+    for (op, size), run in itertools.groupby(records, key=_OP_AND_SIZE):
+        part = list(run)
+        out.append(Batch(op, list(map(_ID_OF, part)), size, list(map(_NAME_OF, part)), list(map(_TAG_OF, part))))
+    return out
+
+
+def rows_of(batches: Sequence[Batch]) -> list[Row]:
+    return [row for batch in batches for row in batch.rows()]
 
 
 @dataclass(frozen=True, slots=True)
 class JournalRead:
-    records: list[Row]  # in the journal's order
+    batches: list[Batch]  # in the journal's order
     position: int  # where the next read starts
     gap: bool = False  # records between the position asked and the first one returned are lost
-    # The records not appended by this Journal object as stores only (what this daemon's
+    # The batches not appended by this Journal object as stores only (what this daemon's
     # backend knows already need not be indexed again); None: all of them.
-    others: list[Row] | None = None
+    others: list[Batch] | None = None
 
     @property
-    def news(self) -> list[Row]:
-        return self.records if self.others is None else self.others
+    def news(self) -> list[Batch]:
+        return self.batches if self.others is None else self.others
+
+    @property
+    def count(self) -> int:
+        """Records read."""
+        return records_in(self.batches)
+
+    @property
+    def records(self) -> list[Row]:
+        """The records read, as rows (each made here)."""
+        return rows_of(self.batches)
 
 
 class Journal(ABC):
@@ -113,11 +186,13 @@ class Journal(ABC):
     missing, and of those stores when the objects are stored again."""
 
     def __init__(self) -> None:
-        self._group: list[Row] = []  # records queued for the next write, in order
+        self._group: list[Batch] = []  # records queued for the next write, in order
+        self._grouped = 0  # records in it
         self._group_written: Future[None] = Future()  # completes when that group is written
         self._last_group: Future[None] = _DONE  # the last group taken for writing
         self._last_write = -LINGER_S  # when it was taken (monotonic)
-        self._queue = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # entered directly: a Condition's own enter is a Python call
+        self._queue = threading.Condition(self._lock)
         self._now = False  # a caller waits for the group: write it without lingering
         self._closing = False
         self._stopped = False  # the writer thread is gone (closed)
@@ -131,46 +206,49 @@ class Journal(ABC):
         self.write_cpu_s = 0.0  # CPU time of the writes (making the frames included)
         self.on_failure: Callable[[int], None] | None = None  # given the records of each failed write
 
-    def submit(self, records: Sequence[Row], now: bool = False, here: bool = False) -> Future[None]:
-        """Queues the records after every record queued before them; the future completes once
+    def submit(self, records: Sequence[Row] | Batch, now: bool = False, here: bool = False) -> Future[None]:
+        """Queues the records (rows, or a batch: what a STORE hands over) after every record
+        queued before them; the future completes once
         they are written (or with the error their write failed with, which is also logged).
         ``now``: no other records are expected soon (or the caller waits for these), so their
         write does not linger. ``here``: the caller may block (an I/O thread), so records
         that would be written at once (nothing queued or being written and, unless ``now``,
         no write for ``LINGER_S``) are written by it before this returns, without waking the
         journal's thread."""
-        if not records:
+        batches = batches_of(records)
+        if not batches:
             return _DONE
-        with self._queue:
+        with self._lock:
             if self._stopped:  # closed: written here
-                return self._write_now(list(records))
+                return self._write_now(batches)
             if here and self._idle(now) and self._writing.acquire(blocking=False):
                 written: Future[None] = Future()
                 self._last_group, self._last_write = written, time.monotonic()
                 self.submits += 1
             else:
-                return self._queued(records, now)
-        self._write_group(list(records), written, held=True)  # later records queue behind it
+                return self._queued(batches, now)
+        self._write_group(batches, written, held=True)  # later records queue behind it
         return written
 
     def _idle(self, now: bool) -> bool:
         """Nothing queued or being written and, unless ``now``, no write started within
-        ``LINGER_S`` (so records that come close together share a write). Called under ``_queue``."""
+        ``LINGER_S`` (so records that come close together share a write). Called under ``_lock``."""
         if self._group or not self._last_group.done():
             return False
         return now or time.monotonic() >= self._last_write + LINGER_S
 
-    def _queued(self, records: Sequence[Row], now: bool) -> Future[None]:
-        """Queues the records for the journal's thread (called under ``_queue``)."""
+    def _queued(self, batches: list[Batch], now: bool) -> Future[None]:
+        """Queues the records for the journal's thread (called under ``_lock``)."""
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_groups, name="storage-journal-writer", daemon=True)
             self._writer.start()
-        if now or len(self._group) >= LINGER_RECORDS:
+        if now or self._grouped >= LINGER_RECORDS:
             self._now = True
             self._queue.notify()
         elif not self._group:
             self._queue.notify()  # the writer sleeps until records come
-        self._group += records
+        self._group += batches
+        self._grouped += records_in(batches)
         self.submits += 1
         return self._group_written
 
@@ -181,7 +259,7 @@ class Journal(ABC):
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Returns once every record queued until now is written (or its write failed)."""
-        with self._queue:
+        with self._lock:
             if self._group:
                 self._now = True
                 self._queue.notify()
@@ -193,7 +271,7 @@ class Journal(ABC):
 
     def _write_groups(self) -> None:
         while True:
-            with self._queue:
+            with self._lock:
                 while not self._group and not self._closing:
                     self._queue.wait()
                 linger = self._last_write + LINGER_S - time.monotonic()
@@ -203,42 +281,43 @@ class Journal(ABC):
                 if not group:
                     self._stopped = True  # closing, nothing left: later records are written by their callers
                     return
-                self._group, self._group_written, self._now = [], Future(), False
+                self._group, self._group_written, self._now, self._grouped = [], Future(), False, 0
                 self._last_group, self._last_write = written, time.monotonic()
             self._write_group(group, written)
 
-    def _write_now(self, records: list[Row]) -> Future[None]:
+    def _write_now(self, batches: list[Batch]) -> Future[None]:
         written: Future[None] = Future()
-        self._write_group(records, written)
+        self._write_group(batches, written)
         return written
 
-    def _write_group(self, records: list[Row], written: Future[None], held: bool = False) -> None:
-        """Writes the records (``held``: the caller holds ``_writing`` already) and completes ``written``."""
+    def _write_group(self, batches: list[Batch], written: Future[None], held: bool = False) -> None:
+        """Writes the batches (``held``: the caller holds ``_writing`` already) and completes ``written``."""
+        count = records_in(batches)
         try:
             if not held:
                 self._writing.acquire()
             try:
                 started = time.thread_time()
                 try:
-                    self._write(records)
+                    self._write(batches)
                 finally:
                     self.write_cpu_s += time.thread_time() - started
                 self.writes += 1
-                self.written += len(records)
+                self.written += count
             finally:
                 self._writing.release()
         except Exception as exc:  # the store's own error types, OSError, a server gone
-            self.failed += len(records)
-            log.warning("storage journal: %d record(s) not written: %s", len(records), exc)
+            self.failed += count
+            log.warning("storage journal: %d record(s) not written: %s", count, exc)
             if self.on_failure is not None:
-                self.on_failure(len(records))
+                self.on_failure(count)
             written.set_exception(exc)
         else:
             written.set_result(None)
 
     def close(self) -> None:
         """Writes what is queued, stops the writer thread and releases what the journal holds."""
-        with self._queue:
+        with self._lock:
             self._closing = True
             self._stopped = self._writer is None
             self._queue.notify()
@@ -247,21 +326,21 @@ class Journal(ABC):
             writer.join(timeout=5.0)
 
     @abstractmethod
-    def _write(self, records: Sequence[Row]) -> None:
-        """Writes the records, in order, as one unit no other writer's records interleave."""
+    def _write(self, batches: list[Batch]) -> None:
+        """Writes the batches, in order, as one unit no other writer's records interleave."""
 
     @abstractmethod
     def read(self, position: int, limit: int) -> JournalRead:
         """About ``limit`` records (whole appends) after ``position`` (0: the oldest kept)."""
 
-    def _decode(self, body: bytes) -> list[Row]:
-        rows = decode(body)
-        if not rows:
+    def _decode(self, body: bytes) -> Batch | None:
+        batch = decode_frame(body)
+        if batch is None:
             if not self.skipped:  # once: a daemon of another release writes on, frame after frame
                 log.warning("storage journal: skipped a frame that is not of this release's format "
                             "(damage, or a daemon of another release on this store)")  # fmt: skip
             self.skipped += 1
-        return rows
+        return batch
 
     def describe(self) -> dict[str, object]:
         return {}
@@ -277,28 +356,44 @@ _DONE: Future[None] = Future()
 _DONE.set_result(None)
 
 
-# A Row's fields, read in C (the hot loops over every record use these)
-OP_OF, ID_OF, SIZE_OF = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(4)
-_NAME_OF, _TAG_OF, _OP_AND_SIZE = operator.itemgetter(2), operator.itemgetter(3), operator.itemgetter(0, 4)
+def merged(batches: Sequence[Batch]) -> list[Batch]:
+    """The batches with each run of the same op and size joined into one (grouped in C): the
+    STOREs of one write, the frames of one read (one entry in a reader's view and one
+    object for the garbage collector, however small the STOREs were)."""
+    if len(batches) <= 1:
+        return list(batches)
+    return [_joined(list(run)) for _, run in itertools.groupby(batches, key=_KIND)]
 
 
-def frames(records: Sequence[Row], per_frame: int = FRAME_RECORDS) -> list[bytes]:
-    """The records as frames of at most ``per_frame``, one per run of records of the same op
-    and size (a write's are usually all stores of one size): a msgpack array ``[FORMAT, op,
-    size, object ids (one byte string, 16 bytes each), [names], [tags]]``. Columns, not a
-    row per record: every daemon on the store decodes every record, and a frame's columns
-    are decoded and checked with a few C calls, not one Python object per field."""
-    if len(set(map(OP_OF, records))) <= 1 and len(set(map(SIZE_OF, records))) <= 1:
-        runs: Sequence[Sequence[Row]] = [records]  # the usual: one STORE or several of one model
-    else:
-        runs = [list(run) for _, run in itertools.groupby(records, key=_OP_AND_SIZE)]
+def _joined(run: list[Batch]) -> Batch:
+    if len(run) == 1:
+        return run[0]
+    chain = itertools.chain.from_iterable
+    ids, names, tags = chain(map(_IDS, run)), chain(map(_NAMES, run)), chain(map(_TAGS, run))
+    return Batch(run[0].op, tuple(ids), run[0].size, tuple(names), tuple(tags))
+
+
+def records_in(batches: Sequence[Batch]) -> int:
+    return sum(map(len, map(_IDS, batches)))  # in C: thousands of small batches in a write
+
+
+_KIND = operator.attrgetter("op", "size")
+_IDS, _NAMES, _TAGS = operator.attrgetter("ids"), operator.attrgetter("names"), operator.attrgetter("tags")
+
+
+def frames(batches: Sequence[Batch], per_frame: int = FRAME_RECORDS) -> list[bytes]:
+    """The batches' records as frames of at most ``per_frame``, one per run of records of the
+    same op and size (a write's are usually all stores of one size): a msgpack array
+    ``[FORMAT, op, size, object ids (one byte string, 16 bytes each), [names], [tags]]``.
+    Columns, not a row per record: every daemon on the store decodes every record, and a
+    frame's columns are decoded and checked with a few C calls, not one Python object per field."""
     out = []
-    for run in runs:
-        op, size = run[0][0], run[0][4]
-        for i in range(0, len(run), per_frame):
-            part = run[i : i + per_frame]
-            ids, names, tags = b"".join(map(ID_OF, part)), list(map(_NAME_OF, part)), list(map(_TAG_OF, part))
-            out.append(msgpack.packb([FORMAT, op, size, ids, names, tags], use_bin_type=True))
+    for batch in merged(batches):
+        op, size, ids, names, tags = batch.op, batch.size, batch.ids, batch.names, batch.tags
+        for i in range(0, len(ids), per_frame):
+            end = i + per_frame
+            out.append(msgpack.packb([FORMAT, op, size, b"".join(ids[i:end]), names[i:end], tags[i:end]],
+                                     use_bin_type=True))  # fmt: skip
     return out
 
 
@@ -307,23 +402,28 @@ def _ids_format(count: int) -> struct.Struct:
     return struct.Struct("16s" * count)  # splits a frame's ids in one C call
 
 
-def decode(body: bytes) -> list[Row]:
-    """A frame's records; none when the bytes are not a frame of this format (a writer of
-    another release, damage). Every column's type and length is checked (in C): a record the
-    daemon cannot use would otherwise stop its reading at that frame."""
+def decode_frame(body: bytes) -> Batch | None:
+    """A frame's records as a batch; None when the bytes are not a frame of this format (a
+    writer of another release, damage). Every column's type and length is checked (in C): a
+    record the daemon cannot use would otherwise stop its reading at that frame."""
     try:
         fmt, op, size, ids, names, tags = msgpack.unpackb(body, use_list=False)
     except (ValueError, TypeError, msgpack.UnpackException):  # not msgpack, not an array of 6
-        return []
+        return None
     count = len(names) if type(names) is tuple else -1
     if fmt != FORMAT or type(op) is not int or op not in (STORED, REMOVED) or type(size) is not int or size < 0:
-        return []
+        return None
     if type(ids) is not bytes or len(ids) != 16 * count or type(tags) is not tuple or len(tags) != count:
-        return []
+        return None
     if not set(map(type, names)) <= {str} or not set(map(type, tags)) <= {bytes}:
-        return []
-    return list(zip(itertools.repeat(op, count), _ids_format(count).unpack(ids), names, tags,
-                    itertools.repeat(size, count)))  # fmt: skip
+        return None
+    return Batch(op, _ids_format(count).unpack(ids), size, names, tags)
+
+
+def decode(body: bytes) -> list[Row]:
+    """A frame's records as rows; none when the bytes are not a frame of this format."""
+    batch = decode_frame(body)
+    return [] if batch is None else batch.rows()
 
 
 class FileJournal(Journal):
@@ -344,14 +444,15 @@ class FileJournal(Journal):
         self.appended = 0  # records this process appended
         # This object's own appends of stores, by (segment, offset), until read back: taken
         # from memory instead of decoded (a writer reads back everything it writes).
-        self._mine: dict[tuple[int, int], tuple[int, Sequence[Row]]] = {}
+        self._mine: dict[tuple[int, int], tuple[int, list[Batch]]] = {}
         self._mine_lock = threading.Lock()  # appends add, reads take: on different threads
         self._appending = -1  # the file appends go to (-1: not known yet)
 
     # Appending ------------------------------------------------------------------------------
 
-    def _write(self, records: Sequence[Row]) -> None:
-        data = b"".join(_LEN.pack(len(f)) + f for f in frames(records))
+    def _write(self, batches: list[Batch]) -> None:
+        batches = merged(batches)  # read back as they are remembered: one batch per run
+        data = b"".join(_LEN.pack(len(f)) + f for f in frames(batches))
         # Opened per write, never held: a file open for writing would keep the storage file
         # system from being remounted read-only or unmounted.
         segment, fd = self._open()
@@ -360,18 +461,18 @@ class FileJournal(Journal):
             end = os.lseek(fd, 0, os.SEEK_CUR)  # where this write ended, whoever wrote since
         finally:
             os.close(fd)
-        self.appended += len(records)
-        self._remember(segment, end - len(data), len(data), records)
+        self.appended += records_in(batches)
+        self._remember(segment, end - len(data), len(data), batches)
         if end >= self.segment_bytes:
             self._rotate(segment + 1)
 
-    def _remember(self, segment: int, start: int, length: int, records: Sequence[Row]) -> None:
-        if set(map(OP_OF, records)) != {STORED}:
+    def _remember(self, segment: int, start: int, length: int, batches: list[Batch]) -> None:
+        if any(b.op != STORED for b in batches):
             return  # removals are rare: decoded like another writer's
         with self._mine_lock:
             if len(self._mine) >= _MINE:  # not read back (reads failing): forget the oldest
                 del self._mine[next(iter(self._mine))]
-            self._mine[(segment, start)] = (length, records)
+            self._mine[(segment, start)] = (length, batches)
 
     def _open(self) -> tuple[int, int]:
         """The newest file, open for appending. The file last appended to is taken unless the
@@ -410,10 +511,12 @@ class FileJournal(Journal):
         if position == 0 or segment < segments[0]:
             gap = position != 0  # the records after ``position`` were deleted with their file
             segment, offset = segments[0], 0
-        records: list[Row] = []
-        others: list[Row] = []
-        while len(records) < limit:
-            read_to, size = self._read_segment(segment, offset, limit - len(records), records, others)
+        batches: list[Batch] = []
+        others: list[Batch] = []
+        count = 0
+        while count < limit:
+            read_to, size, got = self._read_segment(segment, offset, limit - count, batches, others)
+            count += got
             progressed, offset = read_to != offset, read_to
             if progressed and read_to < size:
                 continue  # more of this file than one read takes
@@ -422,7 +525,7 @@ class FileJournal(Journal):
                 break
             segment, offset = later[0], 0
         self._forget_mine_before((segment, offset))
-        return JournalRead(records, (segment << _SEGMENT_SHIFT) | offset, gap, others)
+        return JournalRead(merged(batches), (segment << _SEGMENT_SHIFT) | offset, gap, others)
 
     def _quick_read(self, position: int) -> JournalRead | None:
         """What came after ``position`` when no byte of the file need be read: nothing (its
@@ -437,7 +540,7 @@ class FileJournal(Journal):
             return None
         if os.path.exists(self._path(segment + 1)):
             return None
-        records: list[Row] = []
+        batches: list[Batch] = []
         with self._mine_lock:
             starts, at = [], offset
             while at < size:
@@ -445,14 +548,14 @@ class FileJournal(Journal):
                 if mine is None:
                     return None
                 starts.append(at)
-                records += mine[1]
+                batches += mine[1]
                 at += mine[0]
             if at != size:
                 return None
             for start in starts:
                 del self._mine[(segment, start)]
         self._forget_mine_before((segment, size))
-        return JournalRead(records, (segment << _SEGMENT_SHIFT) | size, others=[])
+        return JournalRead(merged(batches), (segment << _SEGMENT_SHIFT) | size, others=[])
 
     def _forget_mine_before(self, place: tuple[int, int]) -> None:
         """Drops own appends a read has passed (read from the file: it raced with the append)."""
@@ -464,14 +567,14 @@ class FileJournal(Journal):
                 del self._mine[first]
 
     def _read_segment(
-        self, segment: int, offset: int, limit: int, out: list[Row], others: list[Row]
-    ) -> tuple[int, int]:
-        """Reads records of ``segment`` from ``offset``; returns (where reading stopped, the
-        file's size when read)."""
+        self, segment: int, offset: int, limit: int, out: list[Batch], others: list[Batch]
+    ) -> tuple[int, int, int]:
+        """Reads about ``limit`` records of ``segment`` from ``offset``; returns (where reading
+        stopped, the file's size when read, the records read)."""
         try:
             fd = os.open(self._path(segment), os.O_RDONLY)
         except FileNotFoundError:
-            return offset, offset
+            return offset, offset, 0
         try:  # what was appended since, up to a bound (a whole frame always fits)
             file_size = os.fstat(fd).st_size
             data = (
@@ -481,27 +584,30 @@ class FileJournal(Journal):
             )
         finally:
             os.close(fd)
-        at, want = 0, len(out) + limit
-        while len(out) < want and at + _LEN.size <= len(data):
+        at = count = 0
+        while count < limit and at + _LEN.size <= len(data):
             (size,) = _LEN.unpack_from(data, at)
             if size > _MAX_FRAME:
                 log.warning("storage journal %s is damaged at byte %d; reading on from the next file",
                             self._path(segment), offset + at)  # fmt: skip
-                return 1 << (_SEGMENT_SHIFT - 1), file_size  # past any offset: this file is finished
+                return 1 << (_SEGMENT_SHIFT - 1), file_size, count  # past any offset: this file is finished
             with self._mine_lock:
                 mine = self._mine.pop((segment, offset + at), None)
             if mine is not None and at + mine[0] <= len(data):
                 out += mine[1]
+                count += records_in(mine[1])
                 at += mine[0]
                 continue
             end = at + _LEN.size + size
             if end > len(data):
                 break  # a frame still being written, or beyond this read
-            rows = self._decode(data[at + _LEN.size : end])
-            out += rows
-            others += rows
+            batch = self._decode(data[at + _LEN.size : end])
+            if batch is not None:
+                out.append(batch)
+                others.append(batch)
+                count += len(batch)
             at = end
-        return offset + at, file_size
+        return offset + at, file_size, count
 
     def _finished(self, segment: int, offset: int) -> bool:
         """Whether every record of ``segment`` was read: a writer may still append to a file
@@ -541,9 +647,9 @@ class RedisJournal(Journal):
         super().__init__()
         self.client, self.key, self.max_entries = client, key, max_entries
 
-    def _write(self, records: Sequence[Row]) -> None:
+    def _write(self, batches: list[Batch]) -> None:
         pipe = self.client.pipeline(transaction=False)
-        for frame in frames(records, REDIS_FRAME_RECORDS):  # one entry per frame
+        for frame in frames(batches, REDIS_FRAME_RECORDS):  # one entry per frame
             pipe.xadd(self.key, {b"r": frame}, maxlen=self.max_entries, approximate=True)
         pipe.execute()
 
@@ -553,11 +659,9 @@ class RedisJournal(Journal):
         pipe.xrange(self.key, min=after, max="+", count=max(1, limit // 16))
         pipe.xrange(self.key, min="-", max="+", count=1)  # the oldest entry kept
         entries, first = pipe.execute()
-        records: list[Row] = []
-        for _, fields in entries:
-            records += self._decode(fields.get(b"r", b""))
+        batches = [b for _, fields in entries if (b := self._decode(fields.get(b"r", b""))) is not None]
         end = _position(entries[-1][0]) if entries else position
-        return JournalRead(records, end, gap=position != 0 and _trimmed_after(first, position))
+        return JournalRead(merged(batches), end, gap=position != 0 and _trimmed_after(first, position))
 
     def describe(self) -> dict[str, object]:
         return {"stream": self.key}

@@ -9,7 +9,6 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -18,7 +17,18 @@ import pytest
 
 from cachexferd.daemon.storage_feed import StorageFeed
 from cachexferd.storage import journal as journal_module
-from cachexferd.storage.journal import REMOVED, STORED, FileJournal, JournalRecord, Row, object_id, stored_records
+from cachexferd.storage.journal import (
+    REMOVED,
+    STORED,
+    Batch,
+    FileJournal,
+    JournalRecord,
+    Row,
+    batches_of,
+    object_id,
+    rows_of,
+    stored_records,
+)
 
 WRITERS, PER_WRITER, BATCH = 3, 400, 4
 
@@ -113,7 +123,7 @@ def follow(feed: StorageFeed, cursor: int, limit: int = 4096) -> tuple[dict[str,
     held: dict[str, bytes] = {}
     removed: list[str] = []
     resets = 0
-    while True:
+    for _ in range(100_000):  # bounded: a feed that always says `more` fails the test
         page = feed.page(cursor, limit)
         if page["reset"]:
             resets += 1
@@ -128,6 +138,7 @@ def follow(feed: StorageFeed, cursor: int, limit: int = 4096) -> tuple[dict[str,
         cursor = page["next"]
         if not page["more"]:
             return held, removed, resets, cursor
+    raise AssertionError("the pages never ended")
 
 
 def test_pages_restate_the_state_then_follow_it(tmp_path: Path) -> None:
@@ -175,12 +186,16 @@ def test_frames_round_trip_and_split() -> None:
     stores = [JournalRecord(STORED, object_id(f"w0/{i}"), f"w0/{i}", b"\x00t", 4096) for i in range(2500)]
     records = [*stores[:2400], *(JournalRecord(REMOVED, r.object_id) for r in stores[:3]), *stores[2400:]]
     records.append(JournalRecord(STORED, object_id("w0/big"), "w0/big", b"", 8192))  # another size
-    parts = frames(records)
+    parts = frames(batches_of(records))
     assert len(parts) == 3 + 1 + 1 + 1  # 2400 stores in three frames, the removals, 100 stores, the big one
     assert max(len(decode(p)) for p in parts) == FRAME_RECORDS
     assert [r for p in parts for r in decode(p)] == records
     two_sizes = records[-11:]  # stores only: ten of one size, then one of another
-    assert len(frames(two_sizes)) == 2 and [r for p in frames(two_sizes) for r in decode(p)] == two_sizes
+    assert len(frames(batches_of(two_sizes))) == 2
+    assert [r for p in frames(batches_of(two_sizes)) for r in decode(p)] == two_sizes
+    # Batches of one op and size in a row (STOREs queued together) share frames.
+    queued = [batches_of(records[i : i + 7])[0] for i in range(0, 2100, 7)]
+    assert len(frames(queued)) == 3 and [r for p in frames(queued) for r in decode(p)] == records[:2100]
 
 
 def test_frames_that_are_not_of_this_format_are_skipped() -> None:
@@ -230,9 +245,9 @@ def test_a_writer_reads_its_own_stores_back_from_memory_and_others_from_the_file
     read = mine.read(0, 100)
     want = [*stored[:2], *other, *removed, *stored[2:]]
     assert [tuple(r) for r in read.records] == [tuple(r) for r in want]
-    assert [tuple(r) for r in read.news] == [tuple(r) for r in [*other, *removed]]
+    assert [tuple(r) for r in rows_of(read.news)] == [tuple(r) for r in [*other, *removed]]
     fresh = FileJournal(directory).read(0, 100)
-    assert [tuple(r) for r in fresh.records] == [tuple(r) for r in want] and fresh.news == fresh.records
+    assert [tuple(r) for r in fresh.records] == [tuple(r) for r in want] and rows_of(fresh.news) == fresh.records
     assert not mine._mine, "every own append read back is forgotten"
 
 
@@ -245,13 +260,19 @@ def test_the_file_backend_indexes_what_other_daemons_stored_and_forgets_what_the
     backend = FileBackend(tmp_path / "s")
     names = [f"w0/k{i}" for i in range(4)]
     rows = [(STORED, object_id(n), n, b"", 100 + i) for i, n in enumerate(names)]
-    backend.learn(rows[:3])  # stores only
-    backend.learn(rows[2:])  # k2 again: counted once
+    backend.learn(batches_of(rows[:3]))  # stores only, each of its own size
+    backend.learn(batches_of(rows[2:]))  # k2 again: counted once
     assert all(object_id(n) in backend.index for n in names) and backend.index.total == sum(range(100, 104))
-    backend.learn([(REMOVED, object_id(names[0]), "", b"", 0), (STORED, object_id("w0/x"), "w0/x", b"", 0)])
+    backend.learn([Batch(REMOVED, [object_id(names[0])]), Batch(STORED, [object_id("w0/x")], 0, ["w0/x"], [b""])])
     assert object_id(names[0]) not in backend.index, "removed"
     assert object_id("w0/x") not in backend.index, "no size and no file: skipped"
     assert backend.index.total == sum(range(101, 104)) and len(backend.index) == 3
+    # In the journal's order: stored after its removal is there, removed after its store is not.
+    again, gone = object_id(names[1]), object_id("w0/y")
+    backend.learn([Batch(REMOVED, [again]), Batch(STORED, [again, gone], 7, ["w0/k1", "w0/y"], [b"", b""]),
+                   Batch(REMOVED, [gone])])  # fmt: skip
+    assert again in backend.index and gone not in backend.index
+    assert backend.index.total == 7 + 102 + 103 and len(backend.index) == 3
 
 
 # Grouped writes ------------------------------------------------------------------------------
@@ -264,10 +285,10 @@ class Gated(FileJournal):
         super().__init__(directory)
         self.gate, self.entered = threading.Event(), threading.Event()
 
-    def _write(self, records: Sequence[Row]) -> None:
+    def _write(self, batches: list[Batch]) -> None:
         self.entered.set()
         assert self.gate.wait(10), "the test never opened the gate"
-        super()._write(records)
+        super()._write(batches)
 
 
 def stores(prefix: str, count: int) -> list[Row]:
@@ -416,3 +437,106 @@ def test_records_queued_while_a_caller_writes_its_own_are_written_after_them(tmp
     assert names_in(directory) == ["w0/a0", "w0/b0", "w0/b1", "w0/c0"]
     assert (journal.submits, journal.writes) == (3, 2)
     journal.close()
+
+
+@pytest.mark.parametrize("ring", [3, 50, 100_000])
+def test_a_follower_ends_with_the_store_whatever_the_pages_and_the_ring(tmp_path: Path, ring: int) -> None:
+    """Stores in batches of every size (some objects stored again under another tag),
+    removals between them, followed page by page with page sizes from 1 up, by clients that
+    start over or keep their cursor: each ends holding exactly what is in the store, and one
+    that keeps its cursor while the ring holds its changes gets each change once, in order."""
+    import random
+
+    rng = random.Random(ring)
+    journal, feed = feed_over(tmp_path, ring=ring)
+    truth: dict[str, bytes] = {}
+    cursors: list[int] = [0, 0]
+    helds: list[dict[str, bytes]] = [{}, {}]
+    for step in range(60):
+        if truth and rng.random() < 0.3:
+            gone = rng.sample(sorted(truth), k=min(len(truth), rng.randint(1, 4)))
+            journal.append([JournalRecord(REMOVED, object_id(f"w3/{k}")) for k in gone])
+            for k in gone:
+                del truth[k]
+        else:
+            keys = [f"k{rng.randint(0, 80)}" for _ in range(rng.randint(1, 12))]
+            tag = f"s{step}".encode()
+            journal.append([JournalRecord(STORED, object_id(f"w3/{k}"), f"w3/{k}", tag, 5) for k in keys])
+            truth.update(dict.fromkeys(keys, tag))
+        feed.catch_up()
+        for client in (0, 1):
+            if client == 0 and rng.random() < 0.2:
+                cursors[0], helds[0] = 0, {}  # a client that starts over
+            cursor, held = cursors[client], helds[client]
+            for _ in range(100_000):  # bounded: a feed that always says `more` fails the test
+                page = feed.page(cursor, rng.randint(1, 7))
+                if page["reset"]:
+                    held.clear()
+                numbers = [e[0] for e in page["events"]]
+                if numbers and cursor and not page["reset"] and not cursor & (1 << 62):  # a cursor in the changes
+                    first = (cursor & ((1 << 42) - 1)) + 1
+                    assert numbers == list(range(first, first + len(numbers))), "each change once, in order"
+                for _, op, _, key, tag in page["events"]:
+                    if op == "stored":
+                        held[key] = tag
+                    else:
+                        held.pop(key, None)
+                cursor = page["next"]
+                if not page["more"]:
+                    break
+            else:
+                raise AssertionError("the pages never ended")
+            cursors[client] = cursor
+            assert held == truth, (step, client)
+
+
+def test_objects_removed_or_stored_again_while_a_client_reads_the_state_are_not_lost(tmp_path: Path) -> None:
+    """The state is restated page by page: an object removed before its page is left out
+    (its removal follows), one stored again comes with its latest tag, and what was stored
+    since comes after the state: the client ends holding what the store holds."""
+    journal, feed = feed_over(tmp_path)
+    stored(journal, *[f"k{i}" for i in range(10)])  # one batch
+    stored(journal, "solo")  # a lone record
+    feed.catch_up()
+    first = feed.page(0, 3)
+    assert first["reset"] and first["more"] and len(first["events"]) == 3
+    journal.append([JournalRecord(REMOVED, object_id(f"w3/{k}")) for k in ("k5", "k9", "solo")])
+    journal.append([JournalRecord(STORED, object_id("w3/k7"), "w3/k7", b"again")])
+    stored(journal, "new")
+    feed.catch_up()
+    held = {e[3]: e[4] for e in first["events"]}
+    rest, removed, resets, _ = follow(feed, first["next"], limit=2)
+    assert resets == 0
+    for key in removed:
+        held.pop(key, None)
+    held.update(rest)
+    want = {f"k{i}": f"k{i}".encode() for i in range(10) if i not in (5, 9)} | {"k7": b"again", "new": b"new"}
+    assert held == want
+
+
+def test_what_the_view_keeps_stays_plain_tuples_unless_batches_are_mostly_held(tmp_path: Path) -> None:
+    """A record read alone is kept as a row (a plain tuple, which the garbage collector stops
+    tracking); a batch once most of its objects are removed leaves its remaining ones as
+    rows, so it does not keep every record it came with for the sake of a few."""
+    import gc
+
+    journal, feed = feed_over(tmp_path)
+    stored(journal, "solo")
+    feed.catch_up()
+    stored(journal, *[f"k{i}" for i in range(64)])
+    feed.catch_up()
+    gc.collect()
+    assert not gc.is_tracked(feed._objects[object_id("w3/solo")])
+    assert gc.is_tracked(batch := feed._objects[object_id("w3/k0")]) and len(batch) == 64  # type: ignore[arg-type]
+    journal.append([JournalRecord(REMOVED, object_id(f"w3/k{i}")) for i in range(48)])  # 16 of 64 left
+    feed.catch_up()
+    assert feed._objects[object_id("w3/k63")] is batch, "a quarter held: the batch stays"
+    journal.append([JournalRecord(REMOVED, object_id("w3/k48"))])
+    feed.catch_up()
+    gc.collect()
+    assert not any(gc.is_tracked(v) for v in feed._objects.values()), "15 of 64 left: kept as rows"
+    assert held_keys(feed) == {"solo", *[f"k{i}" for i in range(49, 64)]}
+
+
+def held_keys(feed: StorageFeed) -> set[str]:
+    return set(follow(feed, 0)[0])
