@@ -8,9 +8,11 @@ the other daemon's follower reads them, indexes the objects for its eviction (``
 updates its view. Both run here, in one process, on real files, timed in CPU time per record
 (every thread of the process). STOREs come back to back or paced (``--pace-us`` between
 them: fewer share a write); the pacing's own CPU, measured alone in the same round, is
-taken off. The baseline, in the same run and alternating with it, is the cheapest
-append-only log of the same bytes: one ``os.write`` of the same frames per STORE on a file
-opened per append, read back with one ``read``.
+taken off. The baseline, in the same run, alternating with it and paced the same way, is the
+cheapest append-only log of the same bytes: one ``os.write`` of the same frames per STORE on
+a file opened per append, read back with one ``read``. (Paced, both cost more per call than
+back to back on a machine whose CPU idles between them: compare a paced row with its own
+baseline.)
 """
 
 from __future__ import annotations
@@ -81,8 +83,10 @@ def journal_cpu(
     start = time.process_time()
     for i, at in zip(range(0, len(names), per_store), _pace(pace_s)):
         part = names[i : i + per_store]
-        records = stored_batch(part, [_TAG] * len(part), _OBJECT_BYTES)
-        written = journal.submit(records, here=True) if grouped else daemons.io.submit(journal._write, [records])
+        if grouped:
+            written = journal.store(part, [_TAG] * len(part), _OBJECT_BYTES, here=True)
+        else:
+            written = daemons.io.submit(journal._write, [stored_batch(part, [_TAG] * len(part), _OBJECT_BYTES)])
         at()
     journal.flush()
     written.result()
@@ -123,13 +127,14 @@ def pace_cpu(stores: int, pace_s: float) -> float:
     return time.process_time() - start
 
 
-def raw_cpu(root: Path, names: list[str], per_store: int) -> float:
-    """CPU seconds of the same bytes through one ``os.write`` per STORE and one read back."""
+def raw_cpu(root: Path, names: list[str], per_store: int, pace_s: float) -> float:
+    """CPU seconds of the same bytes through one ``os.write`` per STORE and one read back,
+    one STORE every ``pace_s`` (0: back to back)."""
     stores = [stored_batch(names[i : i + per_store], [_TAG] * per_store, _OBJECT_BYTES)
               for i in range(0, len(names), per_store)]  # fmt: skip
     path = str(root / "raw.log")
     start = time.process_time()
-    for batch in stores:
+    for batch, at in zip(stores, _pace(pace_s)):
         data = b"".join(len(f).to_bytes(4, "little") + f for f in frames([batch]))
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
         os.write(fd, data)
@@ -137,6 +142,7 @@ def raw_cpu(root: Path, names: list[str], per_store: int) -> float:
         with open(path, "rb") as f:
             f.seek(-len(data), os.SEEK_END)
             f.read(len(data))
+        at()
     return time.process_time() - start
 
 
@@ -159,9 +165,9 @@ def measure(
         kinds = ["grouped", "alone", "raw"]
         for kind in kinds[r % 3 :] + kinds[: r % 3]:  # who goes first rotates
             if kind == "raw":
-                spent = raw_cpu(root, names, per_store) / objects * 1e6
+                spent = raw_cpu(root, names, per_store, pace_s) - (pace_cpu(stores, pace_s) if pace_us else 0.0)
                 if r:  # round 0 warms up
-                    raw.append(spent)
+                    raw.append(spent / objects * 1e6)
                 continue
             grouped = kind == "grouped"
             daemons = pairs[grouped]

@@ -40,7 +40,7 @@ from ..storage.base import (
     StorageUnavailable,
     stamps,
 )
-from ..storage.journal import REMOVED, Batch, JournalRecord, Row, object_id, stored_batch
+from ..storage.journal import REMOVED, Journal, JournalRecord, Row, object_id
 from ..storage.objects import Checksum, ObjectCodec, Verdict, object_name
 from .jobs import HoldBlocks
 from .storage_feed import StorageFeed
@@ -112,9 +112,12 @@ class _Store:
         self.used = stamps(len(self.names))
         self.reserved = False  # holds room and pins (``reserves_room`` backends) until released
 
-    def records(self, stored: int) -> Batch:
-        """The journal records of the first ``stored`` objects."""
-        return stored_batch(self.names[:stored], self.tags or [b""] * stored, self.codec.object_bytes)
+    def record(self, journal: Journal, stored: int, here: bool, now: bool) -> concurrent.futures.Future[None]:
+        """The first ``stored`` objects' records queued for the journal (see ``Journal.store``)."""
+        if not stored:
+            return _DONE
+        names = self.names if stored == len(self.names) else self.names[:stored]
+        return journal.store(names, self.tags or [b""] * stored, self.codec.object_bytes, now=now, here=here)
 
 
 @dataclass
@@ -202,7 +205,7 @@ class StorageTier:
         if failed and stored == 0 and len(failed) == len(names):
             raise ProtocolError(ErrorCode.STORAGE_ERROR, f"no object was written: {failed[0]}")
         if written is None:
-            written = self._submit(job.records(stored), now=self._storing <= 1)
+            written = self._store_records(job, stored, now=self._storing <= 1)
         await self._written(written)
         if stored and self.backend.drops_writes:
             stored = await self._still_there(names[:stored], cancel)
@@ -232,7 +235,7 @@ class StorageTier:
         finally:
             self._release(job)
         reasons += [NO_ROOM] * (len(job.names) - room)
-        return reasons, self._submit(job.records(_leading_none(reasons)), here=True, now=self._storing <= 1)
+        return reasons, self._store_records(job, _leading_none(reasons), here=True, now=self._storing <= 1)
 
     def _reserve(self, job: _Store, stop: threading.Event) -> int:
         """How many leading objects the store has room for (all, unless it ``reserves_room``,
@@ -326,9 +329,7 @@ class StorageTier:
         if wait:
             await self._written(written)
 
-    def _submit(
-        self, records: Sequence[Row] | Batch, here: bool = False, now: bool = False
-    ) -> concurrent.futures.Future[None]:
+    def _submit(self, records: Sequence[Row], here: bool = False, now: bool = False) -> concurrent.futures.Future[None]:
         """The records queued for the journal (``here``: on an I/O thread, which writes them
         itself when the journal is idle; ``now``: no other records are expected, do not
         linger); a done future when there is no journal."""
@@ -336,6 +337,15 @@ class StorageTier:
         if self.feed is None or journal is None or not records:
             return _DONE
         return journal.submit(records, now=now, here=here)
+
+    def _store_records(
+        self, job: _Store, stored: int, here: bool = False, now: bool = False
+    ) -> concurrent.futures.Future[None]:
+        """A STORE's records queued for the journal, as ``_submit`` does."""
+        journal = self.backend.journal
+        if self.feed is None or journal is None:
+            return _DONE
+        return job.record(journal, stored, here, now)
 
     async def _written(self, written: concurrent.futures.Future[None]) -> None:
         """Returns once ``written`` is done (its failure is counted and logged by the journal)."""

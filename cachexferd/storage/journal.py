@@ -189,6 +189,9 @@ class Journal(ABC):
         self._group: list[Batch] = []  # records queued for the next write, in order
         self._grouped = 0  # records in it
         self._group_written: Future[None] = Future()  # completes when that group is written
+        # The group's last batch when it holds stores in lists of the journal's own (its
+        # names and tags): later STOREs of the same object size join it (see ``store``).
+        self._tail: tuple[Batch, list[str], list[bytes]] | None = None
         self._last_group: Future[None] = _DONE  # the last group taken for writing
         self._last_write = -LINGER_S  # when it was taken (monotonic)
         self._lock = threading.Lock()  # entered directly: a Condition's own enter is a Python call
@@ -216,8 +219,38 @@ class Journal(ABC):
         no write for ``LINGER_S``) are written by it before this returns, without waking the
         journal's thread."""
         batches = batches_of(records)
-        if not batches:
+        return self._submit(batches, now, here) if batches else _DONE
+
+    def store(self, names: Sequence[str], tags: Sequence[bytes], size: int, now: bool = False,
+              here: bool = False) -> Future[None]:  # fmt: skip
+        """A STORE's records (its objects, ``size`` bytes each, with their tags: one per
+        name), as ``submit`` takes them but without a batch of their own: the records of
+        STOREs that queue one behind the other are added to one batch's columns (a burst of
+        one-object STOREs costs two list appends each, not an object each; the batch's
+        object ids are made from its names when its write starts)."""
+        count = len(names)
+        if len(tags) != count:
+            tags = tags[:count]
+        with self._lock:
+            tail = self._tail
+            if tail is not None and tail[0].size == size and count:
+                tail[1].extend(names)
+                tail[2].extend(tags)
+                self._grouped += count
+                self.submits += 1
+                if (now or self._grouped >= LINGER_RECORDS) and not self._now:
+                    self._now = True
+                    self._queue.notify()
+                return self._group_written
+        if not count:
             return _DONE
+        names_of, tags_of = list(names), list(tags)
+        batch = Batch(STORED, tuple(map(object_id, names)), size, names_of, tags_of)
+        return self._submit([batch], now, here, (batch, names_of, tags_of))
+
+    def _submit(self, batches: list[Batch], now: bool, here: bool,
+                tail: tuple[Batch, list[str], list[bytes]] | None = None) -> Future[None]:  # fmt: skip
+        """``submit``'s work (``tail``: the last batch's columns, when they may grow)."""
         with self._lock:
             if self._stopped:  # closed: written here
                 return self._write_now(batches)
@@ -226,7 +259,10 @@ class Journal(ABC):
                 self._last_group, self._last_write = written, time.monotonic()
                 self.submits += 1
             else:
-                return self._queued(batches, now)
+                future = self._queued(batches, now)
+                _seal(self._tail)  # records after it go in a batch of their own
+                self._tail = tail
+                return future
         self._write_group(batches, written, held=True)  # later records queue behind it
         return written
 
@@ -242,7 +278,7 @@ class Journal(ABC):
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_groups, name="storage-journal-writer", daemon=True)
             self._writer.start()
-        if now or self._grouped >= LINGER_RECORDS:
+        if (now or self._grouped >= LINGER_RECORDS) and not self._now:  # told once is enough
             self._now = True
             self._queue.notify()
         elif not self._group:
@@ -277,12 +313,14 @@ class Journal(ABC):
                 linger = self._last_write + LINGER_S - time.monotonic()
                 if linger > 0 and not self._now and not self._closing:
                     self._queue.wait(linger)  # more records may join this write
-                group, written = self._group, self._group_written
+                group, written, tail = self._group, self._group_written, self._tail
                 if not group:
                     self._stopped = True  # closing, nothing left: later records are written by their callers
                     return
                 self._group, self._group_written, self._now, self._grouped = [], Future(), False, 0
+                self._tail = None  # written from now on: it grows no more
                 self._last_group, self._last_write = written, time.monotonic()
+            _seal(tail)
             self._write_group(group, written)
 
     def _write_now(self, batches: list[Batch]) -> Future[None]:
@@ -354,6 +392,16 @@ class Journal(ABC):
 
 _DONE: Future[None] = Future()
 _DONE.set_result(None)
+
+
+def _seal(tail: tuple[Batch, list[str], list[bytes]] | None) -> None:
+    """A batch that STOREs joined (``Journal.store``), once it takes no more: its object ids,
+    for all of them (one call per batch; the STOREs placed their objects by these ids, so
+    they come from ``object_id``'s cache)."""
+    if tail is not None:
+        batch = tail[0]
+        batch.ids = tuple(map(object_id, batch.names))
+        batch.live = len(batch.ids)
 
 
 def merged(batches: Sequence[Batch]) -> list[Batch]:

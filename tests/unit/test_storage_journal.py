@@ -279,15 +279,18 @@ def test_the_file_backend_indexes_what_other_daemons_stored_and_forgets_what_the
 
 
 class Gated(FileJournal):
-    """A file journal whose writes wait for ``gate`` (``entered``: a write began)."""
+    """A file journal whose writes wait for ``gate`` (``entered``: a write began); ``written``:
+    each write's batches as (op, size, ids, names, tags), as they were written."""
 
     def __init__(self, directory: str) -> None:
         super().__init__(directory)
         self.gate, self.entered = threading.Event(), threading.Event()
+        self.written_batches: list[list[tuple[int, int, list[bytes], list[str], list[bytes]]]] = []
 
     def _write(self, batches: list[Batch]) -> None:
         self.entered.set()
         assert self.gate.wait(10), "the test never opened the gate"
+        self.written_batches.append([(b.op, b.size, list(b.ids), list(b.names), list(b.tags)) for b in batches])
         super()._write(batches)
 
 
@@ -312,6 +315,71 @@ def test_records_queued_during_a_write_go_together_in_the_next_one_in_order(tmp_
         assert written.result(timeout=5) is None
     assert (journal.submits, journal.writes) == (6, 2), "the five queued during the first write share the next"
     assert names_in(directory) == ["w0/a0", *(f"w0/b{i}-{j}" for i in range(5) for j in range(2))]
+    journal.close()
+
+
+def store_objects(journal: FileJournal, prefix: str, count: int, size: int = 5) -> Future[None]:
+    """A STORE's records handed over as the storage tier does (one tag per name, and one more)."""
+    names = [f"w0/{prefix}{i}" for i in range(count)]
+    return journal.store(names, [prefix.encode()] * count + [b"beyond"], size)
+
+
+def stored_as(prefix: str, count: int, size: int = 5) -> list[tuple[int, bytes, str, bytes, int]]:
+    return [(STORED, object_id(f"w0/{prefix}{i}"), f"w0/{prefix}{i}", prefix.encode(), size) for i in range(count)]
+
+
+def test_stores_queued_one_behind_the_other_join_one_batch_in_the_journals_order(tmp_path: Path) -> None:
+    directory = str(tmp_path / "j")
+    journal = Gated(directory)
+    first = store_objects(journal, "a", 1)
+    assert journal.entered.wait(5), "the writer thread took the first STORE"
+    later = [store_objects(journal, f"b{i}-", 1 + i % 2) for i in range(4)]
+    removal = journal.submit([JournalRecord(REMOVED, object_id("w0/a0"))])
+    after = [store_objects(journal, "c", 2), store_objects(journal, "d", 1, size=7), store_objects(journal, "e", 1, 7)]
+    assert not first.done() and not any(f.done() for f in (*later, removal, *after)), "a STORE never waits"
+    assert len({id(f) for f in (*later, removal, *after)}) == 1, "all of them go with the next write"
+    journal.gate.set()
+    for written in (first, *later, removal, *after):
+        assert written.result(timeout=5) is None
+    assert (journal.submits, journal.writes) == (9, 2)
+    b_rows = [row for i in range(4) for row in stored_as(f"b{i}-", 1 + i % 2)]
+    second = journal.written_batches[1]
+    assert [(op, size, len(ids)) for op, size, ids, _, _ in second] == [(STORED, 5, 6), (REMOVED, 0, 1),
+                                                                        (STORED, 5, 2), (STORED, 7, 2)]  # fmt: skip
+    for op, _, ids, names, tags in second:
+        assert ids == [object_id(n) for n in names] or op == REMOVED, "every id is its name's"
+        assert len(names) == len(tags) == len(ids)
+    expected = [*stored_as("a", 1), *b_rows, (REMOVED, object_id("w0/a0"), "", b"", 0), *stored_as("c", 2),
+                *stored_as("d", 1, 7), *stored_as("e", 1, 7)]  # fmt: skip
+    records, _ = read_all(FileJournal(directory))
+    assert [tuple(r) for r in records] == expected, "another daemon reads every record, in order, whole"
+    feed = StorageFeed(journal, "")
+    while feed.catch_up():
+        pass
+    assert sorted(feed._objects) == sorted(r[1] for r in expected[1:] if r[0] == STORED)
+    journal.close()
+
+
+def test_a_store_after_its_batchs_write_began_goes_in_the_next_write(tmp_path: Path) -> None:
+    directory = str(tmp_path / "j")
+    journal = Gated(directory)
+    journal.gate.set()
+    store_objects(journal, "x", 1).result(timeout=5)  # the journal is busy from now on: no write waits
+    journal.gate.clear()
+    journal.entered.clear()
+    queued = store_objects(journal, "y", 2)  # queued: a batch of the journal's own, open for more
+    assert journal.entered.wait(5), "the writer thread took it"
+    during = store_objects(journal, "z", 1)  # its batch is being written: a new one
+    assert during is not queued
+    journal.gate.set()
+    assert queued.result(timeout=5) is None and during.result(timeout=5) is None
+    assert [[names for _, _, _, names, _ in write] for write in journal.written_batches] == [
+        [["w0/x0"]],
+        [["w0/y0", "w0/y1"]],
+        [["w0/z0"]],
+    ], "a batch grew after its write began"
+    records, _ = read_all(FileJournal(directory))
+    assert [tuple(r) for r in records] == [*stored_as("x", 1), *stored_as("y", 2), *stored_as("z", 1)]
     journal.close()
 
 
