@@ -495,6 +495,7 @@ class FileJournal(Journal):
         self._mine: dict[tuple[int, int], tuple[int, list[Batch]]] = {}
         self._mine_lock = threading.Lock()  # appends add, reads take: on different threads
         self._appending = -1  # the file appends go to (-1: not known yet)
+        self._paths: dict[int, str] = {}  # segment -> its file's path
 
     # Appending ------------------------------------------------------------------------------
 
@@ -526,7 +527,7 @@ class FileJournal(Journal):
         """The newest file, open for appending. The file last appended to is taken unless the
         next one exists (another writer rotated) or it is gone: one ``stat`` per append, not
         a listing of the directory."""
-        if self._appending >= 0 and not os.path.exists(self._path(self._appending + 1)):
+        if self._appending >= 0 and not _exists(self._path(self._appending + 1)):
             with contextlib.suppress(FileNotFoundError):
                 return self._appending, os.open(self._path(self._appending), os.O_WRONLY | os.O_APPEND)
         self._appending = max(self._newest(), 0)
@@ -586,7 +587,7 @@ class FileJournal(Journal):
             size = os.stat(self._path(segment)).st_size
         except FileNotFoundError:  # deleted (the reader fell behind): the full read says so
             return None
-        if os.path.exists(self._path(segment + 1)):
+        if _exists(self._path(segment + 1)):
             return None
         batches: list[Batch] = []
         with self._mine_lock:
@@ -668,7 +669,12 @@ class FileJournal(Journal):
     # Files ----------------------------------------------------------------------------------
 
     def _path(self, segment: int) -> str:
-        return f"{self.directory}/{segment:012d}.log"
+        path = self._paths.get(segment)
+        if path is None:  # every append and every poll asks for the same two
+            if len(self._paths) >= 16:
+                self._paths.clear()
+            path = self._paths[segment] = f"{self.directory}/{segment:012d}.log"
+        return path
 
     def _segments(self) -> list[int]:
         try:
@@ -713,6 +719,12 @@ class RedisJournal(Journal):
 
     def describe(self) -> dict[str, object]:
         return {"stream": self.key}
+
+
+def _exists(path: str) -> bool:
+    """``os.path.exists`` without the exception it makes of a missing file (a few µs, and the
+    usual answer here: the next segment is not started yet)."""
+    return os.access(path, os.F_OK)
 
 
 def _trimmed_after(first: list[Any], position: int) -> bool:
