@@ -40,7 +40,7 @@ from ..storage.base import (
     StorageUnavailable,
     stamps,
 )
-from ..storage.journal import REMOVED, Journal, JournalRecord, Row, object_id
+from ..storage.journal import NOTHING_TO_WRITE, REMOVED, Journal, JournalRecord, Row, object_id
 from ..storage.objects import Checksum, ObjectCodec, Verdict, object_name
 from .jobs import HoldBlocks
 from .storage_feed import StorageFeed
@@ -58,8 +58,6 @@ SHARD_MIN_BYTES = 4 << 20
 _POLL_S = 0.05  # how often a waiting command looks at its cancel token
 Call = Callable[[threading.Event], T]
 _Task = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
-_DONE: concurrent.futures.Future[None] = concurrent.futures.Future()
-_DONE.set_result(None)
 
 
 class IOPool:
@@ -115,7 +113,7 @@ class _Store:
     def record(self, journal: Journal, stored: int, here: bool, now: bool) -> concurrent.futures.Future[None]:
         """The first ``stored`` objects' records queued for the journal (see ``Journal.store``)."""
         if not stored:
-            return _DONE
+            return NOTHING_TO_WRITE
         names = self.names if stored == len(self.names) else self.names[:stored]
         return journal.store(names, self.tags or [b""] * stored, self.codec.object_bytes, now=now, here=here)
 
@@ -335,7 +333,7 @@ class StorageTier:
         linger); a done future when there is no journal."""
         journal = self.backend.journal
         if self.feed is None or journal is None or not records:
-            return _DONE
+            return NOTHING_TO_WRITE
         return journal.submit(records, now=now, here=here)
 
     def _store_records(
@@ -344,7 +342,7 @@ class StorageTier:
         """A STORE's records queued for the journal, as ``_submit`` does."""
         journal = self.backend.journal
         if self.feed is None or journal is None:
-            return _DONE
+            return NOTHING_TO_WRITE
         return job.record(journal, stored, here, now)
 
     async def _written(self, written: concurrent.futures.Future[None]) -> None:

@@ -80,11 +80,6 @@ _ID_OF, _NAME_OF, _TAG_OF, _OP_AND_SIZE = (operator.itemgetter(1), operator.item
                                            operator.itemgetter(0, 4))  # fmt: skip
 
 
-def stored_records(names: Sequence[str], tags: Sequence[bytes], size: int) -> list[Row]:
-    """The records of a STORE's objects (``size`` bytes each), with their tags, as rows."""
-    return [(STORED, object_id(n), n, t, size) for n, t in zip(names, tags)]
-
-
 class Batch:
     """Records of one op and object size, as columns: a STORE's, a frame read back, one of
     this daemon's own appends. Every daemon on a store reads every record and a STORE's
@@ -192,7 +187,7 @@ class Journal(ABC):
         # The group's last batch when it holds stores in lists of the journal's own (its
         # names and tags): later STOREs of the same object size join it (see ``store``).
         self._tail: tuple[Batch, list[str], list[bytes]] | None = None
-        self._last_group: Future[None] = _DONE  # the last group taken for writing
+        self._last_group: Future[None] = NOTHING_TO_WRITE  # the last group taken for writing
         self._last_write = -LINGER_S  # when it was taken (monotonic)
         self._lock = threading.Lock()  # entered directly: a Condition's own enter is a Python call
         self._queue = threading.Condition(self._lock)
@@ -219,7 +214,7 @@ class Journal(ABC):
         no write for ``LINGER_S``) are written by it before this returns, without waking the
         journal's thread."""
         batches = batches_of(records)
-        return self._submit(batches, now, here) if batches else _DONE
+        return self._submit(batches, now, here) if batches else NOTHING_TO_WRITE
 
     def store(self, names: Sequence[str], tags: Sequence[bytes], size: int, now: bool = False,
               here: bool = False) -> Future[None]:  # fmt: skip
@@ -243,7 +238,7 @@ class Journal(ABC):
                     self._queue.notify()
                 return self._group_written
         if not count:
-            return _DONE
+            return NOTHING_TO_WRITE
         names_of, tags_of = list(names), list(tags)
         batch = Batch(STORED, tuple(map(object_id, names)), size, names_of, tags_of)
         return self._submit([batch], now, here, (batch, names_of, tags_of))
@@ -390,8 +385,9 @@ class Journal(ABC):
                 "write_cpu_s": round(self.write_cpu_s, 6)}  # fmt: skip
 
 
-_DONE: Future[None] = Future()
-_DONE.set_result(None)
+# What a submit that has nothing to write returns: a future that is already done.
+NOTHING_TO_WRITE: Future[None] = Future()
+NOTHING_TO_WRITE.set_result(None)
 
 
 def _seal(tail: tuple[Batch, list[str], list[bytes]] | None) -> None:
@@ -466,12 +462,6 @@ def decode_frame(body: bytes) -> Batch | None:
     if not set(map(type, names)) <= {str} or not set(map(type, tags)) <= {bytes}:
         return None
     return Batch(op, _ids_format(count).unpack(ids), size, names, tags)
-
-
-def decode(body: bytes) -> list[Row]:
-    """A frame's records as rows; none when the bytes are not a frame of this format."""
-    batch = decode_frame(body)
-    return [] if batch is None else batch.rows()
 
 
 class FileJournal(Journal):

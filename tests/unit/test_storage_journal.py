@@ -25,12 +25,23 @@ from cachexferd.storage.journal import (
     JournalRecord,
     Row,
     batches_of,
+    decode_frame,
     object_id,
     rows_of,
-    stored_records,
 )
 
 WRITERS, PER_WRITER, BATCH = 3, 400, 4
+
+
+def stored_records(names: list[str], tags: list[bytes], size: int) -> list[Row]:
+    """The rows of a STORE's objects (``size`` bytes each), with their tags."""
+    return [(STORED, object_id(n), n, t, size) for n, t in zip(names, tags)]
+
+
+def decode(body: bytes) -> list[Row]:
+    """A frame's records as rows; none when the bytes are not a frame of this format."""
+    batch = decode_frame(body)
+    return [] if batch is None else batch.rows()
 
 
 def write_many(directory: str, writer: int) -> None:
@@ -181,7 +192,7 @@ def test_another_namespace_is_not_reported(tmp_path: Path) -> None:
 
 def test_frames_round_trip_and_split() -> None:
     """A frame per run of one op and size, at most FRAME_RECORDS each; read back in order."""
-    from cachexferd.storage.journal import FRAME_RECORDS, decode, frames
+    from cachexferd.storage.journal import FRAME_RECORDS, frames
 
     stores = [JournalRecord(STORED, object_id(f"w0/{i}"), f"w0/{i}", b"\x00t", 4096) for i in range(2500)]
     records = [*stores[:2400], *(JournalRecord(REMOVED, r.object_id) for r in stores[:3]), *stores[2400:]]
@@ -200,7 +211,7 @@ def test_frames_round_trip_and_split() -> None:
 
 def test_frames_that_are_not_of_this_format_are_skipped() -> None:
     """Damage or a writer of another format: the frame is skipped whole, never half-used."""
-    from cachexferd.storage.journal import FORMAT, decode
+    from cachexferd.storage.journal import FORMAT
 
     good = [FORMAT, STORED, 10, bytes(32), ["w0/a", "w0/b"], [b"", b"t"]]
     assert decode(msgpack.packb(good, use_bin_type=True)) == [(STORED, bytes(16), "w0/a", b"", 10),
