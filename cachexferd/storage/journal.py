@@ -205,14 +205,13 @@ class Journal(ABC):
         self.on_failure: Callable[[int], None] | None = None  # given the records of each failed write
 
     def submit(self, records: Sequence[Row] | Batch, now: bool = False, here: bool = False) -> Future[None]:
-        """Queues the records (rows, or a batch: what a STORE hands over) after every record
-        queued before them; the future completes once
-        they are written (or with the error their write failed with, which is also logged).
-        ``now``: no other records are expected soon (or the caller waits for these), so their
-        write does not linger. ``here``: the caller may block (an I/O thread), so records
-        that would be written at once (nothing queued or being written and, unless ``now``,
-        no write for ``LINGER_S``) are written by it before this returns, without waking the
-        journal's thread."""
+        """Queues the records (rows, or a batch; a STORE's go through ``store``) after every
+        record queued before them; the future completes once they are written (or with the
+        error their write failed with, which is also logged). ``now``: no other records are
+        expected soon (or the caller waits for these), so their write does not linger.
+        ``here``: the caller may block (an I/O thread), so records that would be written at
+        once (nothing queued or being written and, unless ``now``, no write for ``LINGER_S``)
+        are written by it before this returns, without waking the journal's thread."""
         batches = batches_of(records)
         return self._submit(batches, now, here) if batches else NOTHING_TO_WRITE
 
