@@ -40,7 +40,7 @@ from ..storage.base import (
     StorageUnavailable,
     stamps,
 )
-from ..storage.journal import NOTHING_TO_WRITE, REMOVED, Journal, JournalRecord, Row, object_id
+from ..storage.journal import NOTHING_TO_WRITE, REMOVED, JournalRecord, Row, object_id
 from ..storage.objects import Checksum, ObjectCodec, Verdict, object_name
 from .jobs import HoldBlocks
 from .storage_feed import StorageFeed
@@ -109,13 +109,6 @@ class _Store:
         self.links = [self.parent, *self.names[:-1]]  # each object's chain link
         self.used = stamps(len(self.names))
         self.reserved = False  # holds room and pins (``reserves_room`` backends) until released
-
-    def record(self, journal: Journal, stored: int, here: bool, now: bool) -> concurrent.futures.Future[None]:
-        """The first ``stored`` objects' records queued for the journal (see ``Journal.store``)."""
-        if not stored:
-            return NOTHING_TO_WRITE
-        names = self.names if stored == len(self.names) else self.names[:stored]
-        return journal.store(names, self.tags or [b""] * stored, self.codec.object_bytes, now=now, here=here)
 
 
 @dataclass
@@ -339,11 +332,13 @@ class StorageTier:
     def _store_records(
         self, job: _Store, stored: int, here: bool = False, now: bool = False
     ) -> concurrent.futures.Future[None]:
-        """A STORE's records queued for the journal, as ``_submit`` does."""
+        """The first ``stored`` objects' records queued for the journal, as ``_submit`` does
+        (see ``Journal.store``)."""
         journal = self.backend.journal
-        if self.feed is None or journal is None:
+        if self.feed is None or journal is None or not stored:
             return NOTHING_TO_WRITE
-        return job.record(journal, stored, here, now)
+        names = job.names if stored == len(job.names) else job.names[:stored]
+        return journal.store(names, job.tags or [b""] * stored, job.codec.object_bytes, now=now, here=here)
 
     async def _written(self, written: concurrent.futures.Future[None]) -> None:
         """Returns once ``written`` is done (its failure is counted and logged by the journal)."""
