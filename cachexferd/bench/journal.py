@@ -33,7 +33,7 @@ from typing import Any
 from ..daemon.server import tune_gc
 from ..daemon.storage_feed import StorageFeed
 from ..storage.file import FileBackend, object_path
-from ..storage.journal import FileJournal, frames, stored_batch
+from ..storage.journal import FileJournal, file_frames, frames, stored_batch
 
 _TAG = bytes(36)  # a vLLM offload key: 32-byte block hash + 4-byte group
 _OBJECT_BYTES = (1 << 20) + 64
@@ -135,7 +135,7 @@ def raw_cpu(root: Path, names: list[str], per_store: int, pace_s: float) -> floa
     path = str(root / "raw.log")
     start = time.process_time()
     for batch, at in zip(stores, _pace(pace_s)):
-        data = b"".join(len(f).to_bytes(4, "little") + f for f in frames([batch]))
+        data = file_frames(frames([batch]))
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
         os.write(fd, data)
         os.close(fd)

@@ -18,6 +18,7 @@ Positions are opaque increasing integers: a reader passes back the position it r
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import itertools
@@ -35,6 +36,8 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from .objects import crc32
+
 log = logging.getLogger(__name__)
 
 STORED, REMOVED = 0, 1  # a record's op, as written
@@ -42,10 +45,17 @@ OP_NAMES = ("stored", "removed")  # STORAGE_EVENTS' names of the ops
 SEGMENT_BYTES = 16 << 20  # a journal file is closed for appends beyond this size
 KEEP_SEGMENTS = 8  # files kept (~128 MiB, about 700,000 records); older ones are deleted
 _SEGMENT_SHIFT = 40  # position = segment number << 40 | offset in the segment
-_LEN = struct.Struct("<I")
 FRAME_RECORDS = 1024  # records per frame (at most ~400 KB)
 FORMAT = 2  # a frame's first field: frames of other formats are skipped
 _MAX_FRAME = 1 << 20  # a length beyond this is not a frame (a damaged file)
+# A frame in a file: this magic, the body's length and its CRC-32, then the body. With them a
+# reader finds the next whole frame after bytes that are not one (a write torn by a full disk
+# or a writer killed mid-write, a damaged file) and reads on from there, instead of losing
+# every record after them or reading a damaged record as another one. (As a length, the magic
+# is far beyond _MAX_FRAME: a reader of an earlier release skips such a file.)
+_FILE_MAGIC = b"cxJ2"
+_FILE_HEAD = struct.Struct("<4sII")
+TORN_AFTER_S = 10.0  # a file that ends in an unfinished frame and has not changed for this long: torn
 REDIS_KEY = "cachexferd:journal"  # cannot be an object's name: those start with "w<version>/" or "<namespace>/"
 REDIS_MAX_ENTRIES = 10_000  # stream entries kept (trimming counts entries, not records)
 REDIS_FRAME_RECORDS = 20  # records per entry at most: the stream keeps at most ~200,000 records (~40 MB)
@@ -200,7 +210,7 @@ class Journal(ABC):
         self.writes = 0  # writes made (submits / writes: how many shared one)
         self.written = 0  # records written
         self.failed = 0  # records whose write failed
-        self.skipped = 0  # frames read that were not of this format (damage, another release)
+        self.skipped = 0  # stretches read that were not a whole frame (torn, damaged), frames of another format
         self.write_cpu_s = 0.0  # CPU time of the writes (making the frames included)
         self.on_failure: Callable[[int], None] | None = None  # given the records of each failed write
 
@@ -440,6 +450,57 @@ def frames(batches: Sequence[Batch], per_frame: int = FRAME_RECORDS) -> list[byt
     return out
 
 
+def file_frames(bodies: Sequence[bytes]) -> bytes:
+    """Frames as a file journal appends them: each after its magic, length and CRC-32."""
+    parts: list[bytes] = []
+    for body in bodies:
+        parts += (_FILE_HEAD.pack(_FILE_MAGIC, len(body), crc32(body)), body)
+    return b"".join(parts)
+
+
+def _next_frame(data: bytes, start: int, whole: bool) -> int | None:
+    """Where the first frame at or after ``start`` begins: a magic followed by a whole frame
+    whose CRC-32 matches or (unless ``whole``) by one that runs past ``data`` and may still be
+    being written. ``whole``: whole frames follow one another from there to the end of
+    ``data``, so that a frame's bytes inside a write still under way (a tag may hold some)
+    are not taken for a frame. None: there is none."""
+    at = data.find(_FILE_MAGIC, start)
+    while at >= 0:
+        if whole:
+            end = at
+            while 0 <= end < len(data):
+                end = _whole_frame_end(data, end)
+            if end == len(data):
+                return at
+        elif at + _FILE_HEAD.size > len(data):
+            return at
+        else:
+            size = _FILE_HEAD.unpack_from(data, at)[1]
+            if size <= _MAX_FRAME and (at + _FILE_HEAD.size + size > len(data) or _whole_frame_end(data, at) > 0):
+                return at
+        at = data.find(_FILE_MAGIC, at + 1)
+    return None
+
+
+def _whole_frame_end(data: bytes, at: int) -> int:
+    """Where the frame at ``at`` ends; -1 when no whole frame is there (no magic, a length
+    beyond any frame's, bytes missing, a CRC-32 that does not match)."""
+    if at + _FILE_HEAD.size > len(data):
+        return -1
+    magic, size, crc = _FILE_HEAD.unpack_from(data, at)
+    end: int = at + _FILE_HEAD.size + size
+    if magic != _FILE_MAGIC or size > _MAX_FRAME or end > len(data) or crc32(data[at + _FILE_HEAD.size : end]) != crc:
+        return -1
+    return end
+
+
+def _resume(data: bytes, at: int, past: int) -> int:
+    """Where to read on after bytes at ``at`` that are not a whole frame: the next frame, else
+    past every byte read that cannot begin one (at least to ``past``)."""
+    nxt = _next_frame(data, at + 1, whole=False)
+    return max(past, len(data) - len(_FILE_MAGIC) + 1) if nxt is None else nxt
+
+
 @functools.lru_cache(maxsize=64)
 def _ids_format(count: int) -> struct.Struct:
     return struct.Struct("16s" * count)  # splits a frame's ids in one C call
@@ -490,15 +551,17 @@ class FileJournal(Journal):
 
     def _write(self, batches: list[Batch]) -> None:
         batches = merged(batches)  # read back as they are remembered: one batch per run
-        data = b"".join(_LEN.pack(len(f)) + f for f in frames(batches))
+        data = file_frames(frames(batches))
         # Opened per write, never held: a file open for writing would keep the storage file
         # system from being remounted read-only or unmounted.
         segment, fd = self._open()
         try:
-            os.write(fd, data)  # one write: whole, after every other writer's (O_APPEND)
+            done = os.write(fd, data)  # one write: whole, after every other writer's (O_APPEND)
             end = os.lseek(fd, 0, os.SEEK_CUR)  # where this write ended, whoever wrote since
         finally:
             os.close(fd)
+        if done != len(data):  # the file system filled up (or a file size limit): readers skip the torn bytes
+            raise OSError(errno.ENOSPC, f"storage journal: a write was cut short ({done} of {len(data)} bytes)")
         self.appended += records_in(batches)
         self._remember(segment, end - len(data), len(data), batches)
         if end >= self.segment_bytes:
@@ -623,12 +686,8 @@ class FileJournal(Journal):
         finally:
             os.close(fd)
         at = count = 0
-        while count < limit and at + _LEN.size <= len(data):
-            (size,) = _LEN.unpack_from(data, at)
-            if size > _MAX_FRAME:
-                log.warning("storage journal %s is damaged at byte %d; reading on from the next file",
-                            self._path(segment), offset + at)  # fmt: skip
-                return 1 << (_SEGMENT_SHIFT - 1), file_size, count  # past any offset: this file is finished
+        whole_file = offset + len(data) >= file_size  # else frames may run past what was read
+        while count < limit and at + _FILE_HEAD.size <= len(data):
             with self._mine_lock:
                 mine = self._mine.pop((segment, offset + at), None)
             if mine is not None and at + mine[0] <= len(data):
@@ -636,10 +695,22 @@ class FileJournal(Journal):
                 count += records_in(mine[1])
                 at += mine[0]
                 continue
-            end = at + _LEN.size + size
-            if end > len(data):
-                break  # a frame still being written, or beyond this read
-            batch = self._decode(data[at + _LEN.size : end])
+            magic, size, crc = _FILE_HEAD.unpack_from(data, at)
+            end = at + _FILE_HEAD.size + size
+            if magic != _FILE_MAGIC or size > _MAX_FRAME:
+                at = self._skip(segment, offset, at, _resume(data, at, at + 1))
+                continue
+            if end > len(data):  # being written, or a torn write: torn if a whole frame follows
+                nxt = _next_frame(data, at + 1, whole=True) if whole_file else None
+                if nxt is None:
+                    break
+                at = self._skip(segment, offset, at, nxt)
+                continue
+            body = data[at + _FILE_HEAD.size : end]
+            if crc32(body) != crc:
+                at = self._skip(segment, offset, at, _resume(data, at, end))
+                continue
+            batch = self._decode(body)
             if batch is not None:
                 out.append(batch)
                 others.append(batch)
@@ -647,13 +718,28 @@ class FileJournal(Journal):
             at = end
         return offset + at, file_size, count
 
+    def _skip(self, segment: int, offset: int, at: int, to: int) -> int:
+        """Bytes ``at``..``to`` of what was read from ``offset`` are not a whole frame: skipped."""
+        self.skipped += 1
+        log.warning("storage journal %s: %d bytes at byte %d are not a whole frame (a torn write or damage); "
+                    "reading on after them", self._path(segment), to - at, offset + at)  # fmt: skip
+        return to
+
     def _finished(self, segment: int, offset: int) -> bool:
         """Whether every record of ``segment`` was read: a writer may still append to a file
-        for a moment after another started the next one, so the file must end at ``offset``."""
+        for a moment after another started the next one, so the file must end at ``offset``,
+        or what follows must have stopped changing ``TORN_AFTER_S`` ago: an unfinished frame
+        whose writer died or whose disk filled up."""
         try:
-            return os.path.getsize(self._path(segment)) <= offset
+            stat = os.stat(self._path(segment))
         except FileNotFoundError:
             return True
+        if stat.st_size <= offset:
+            return True
+        if time.time() - stat.st_mtime < TORN_AFTER_S:
+            return False
+        self._skip(segment, offset, 0, stat.st_size - offset)
+        return True
 
     # Files ----------------------------------------------------------------------------------
 

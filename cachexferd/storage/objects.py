@@ -47,9 +47,9 @@ MAGIC = b"CXKV"
 FORMAT_VERSION = 1
 HEADER_BYTES = 64
 try:  # ISA-L's CRC-32: the same function as zlib's, about 3x as fast (carry-less multiply), GIL released
-    from isal.isal_zlib import crc32
+    from isal.isal_zlib import crc32 as crc32  # also the journal's (storage/journal.py)
 except ImportError:  # a platform without its wheel: zlib's (also releases the GIL)
-    from zlib import crc32
+    from zlib import crc32 as crc32
 
 _HEAD = struct.Struct("<4sHHHHQ8s8sQ")  # everything the header crc covers (44 bytes)
 _HEAD_CRC = struct.Struct("<I")

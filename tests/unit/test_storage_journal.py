@@ -106,19 +106,6 @@ def test_old_files_are_deleted_and_a_reader_behind_them_learns_of_the_gap(tmp_pa
     assert journal.read(behind.position, 10).gap is False
 
 
-def test_damaged_bytes_are_skipped_not_fatal(tmp_path: Path) -> None:
-    journal = FileJournal(str(tmp_path / "j"))
-    journal.append([JournalRecord(STORED, object_id("w0/a"), "w0/a", b"")])
-    earlier = msgpack.packb([[STORED, object_id("w0/x"), "w0/x", b"", 1]], use_bin_type=True)  # rows, not columns
-    with open(tmp_path / "j" / "000000000000.log", "ab") as f:
-        f.write(b"\x05\x00\x00\x00junk!")  # a frame that does not decode
-        f.write(len(earlier).to_bytes(4, "little") + earlier)  # a frame of another format
-    journal.append([JournalRecord(STORED, object_id("w0/b"), "w0/b", b"")])
-    reader = FileJournal(str(tmp_path / "j"))
-    assert [r[2] for r in read_all(reader)[0]] == ["w0/a", "w0/b"]
-    assert reader.counts()["skipped"] == 2 and journal.counts()["skipped"] == 0
-
-
 def feed_over(tmp_path: Path, namespace: str = "", ring: int = 1000) -> tuple[FileJournal, StorageFeed]:
     journal = FileJournal(str(tmp_path / "j"))
     return journal, StorageFeed(journal, namespace, ring=ring)
