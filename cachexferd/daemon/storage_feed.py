@@ -1,14 +1,15 @@
 """The daemon's view of the shared store, from its journal, and the STORAGE_EVENTS pages.
 
-A thread follows the journal (storage/journal.py) every ``POLL_S`` (and an I/O thread catches
-up before a STORE reserves room): it keeps what is in the store now (object id -> the batch
-of records, as read, that stored it) and the latest ``RING`` changes, each numbered as the
-daemon read it. Records stay in their batches: a row is made for a client's page, not for
-every record read (every daemon reads every record). STORAGE_EVENTS is answered from
-memory, on the event loop, under a short lock: the changes after a client's cursor, or, for
-a new client (cursor 0), one too far behind, one of an earlier view (a restarted daemon,
-records lost), the current state first (``reset``), page by page from a list of the objects'
-ids taken for that client.
+A thread follows the journal (storage/journal.py): as soon as it is appended to where its
+directory can be watched (storage/dirwatch.py; at most every ``POLL_S`` while records keep
+coming), else every ``POLL_S``; and an I/O thread catches up before a STORE reserves room.
+It keeps what is in the store now (object id -> the batch of records, as read, that stored
+it) and the latest ``RING`` changes, each numbered as the daemon read it. Records stay in
+their batches: a row is made for a client's page, not for every record read (every daemon
+reads every record). STORAGE_EVENTS is answered from memory, on the event loop, under a
+short lock: the changes after a client's cursor, or, for a new client (cursor 0), one too
+far behind, one of an earlier view (a restarted daemon, records lost), the current state
+first (``reset``), page by page from a list of the objects' ids taken for that client.
 
 Cursors are opaque to clients. Inside: ``view << 42 | number`` (the number of the last change
 the client has; ``view`` is random per view, so a cursor of another daemon or an earlier
@@ -27,6 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from ..storage.dirwatch import DirectoryWatch
 from ..storage.journal import OP_NAMES, REMOVED, STORED, Batch, Journal, Row
 from ..storage.objects import parse_object_name
 
@@ -69,6 +71,7 @@ class StorageFeed:
         self.gaps = 0  # times records were lost before this daemon read them
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watch: DirectoryWatch | None = None  # wakes the follower on appends (inotify)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._follow, name="storage-journal", daemon=True)
@@ -76,14 +79,20 @@ class StorageFeed:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
+        for timeout_s in (0.5, 2.0):  # woken again should the follower have just made a new watch
+            if self._watch is not None:
+                self._watch.wake()
+            if self._thread is not None:
+                self._thread.join(timeout=timeout_s)
+        if self._watch is not None and (self._thread is None or not self._thread.is_alive()):
+            self._watch.close()
 
     # Following ------------------------------------------------------------------------------
 
     def _follow(self) -> None:
         failing = False
         while not self._stop.is_set():
+            records = self.records
             try:
                 more = self.catch_up()
                 if failing:
@@ -95,9 +104,25 @@ class StorageFeed:
                 failing, more = True, False
             if not more:
                 started = time.thread_time()
-                self._stop.wait(self.poll_s)
+                self._wait(found=self.records != records and not failing)
                 with self._reading:  # waking up is part of what following costs
                     self.read_cpu_s += time.thread_time() - started
+
+    def _wait(self, found: bool) -> None:
+        """Until the journal may have grown. Where the journal's directory can be watched,
+        a quiet journal costs no wake-up and a record is read as soon as it is appended;
+        while records come, reads stay ``poll_s`` apart. Elsewhere: ``poll_s``."""
+        watch = self._watch
+        if watch is None or watch.gone:
+            if watch is not None:
+                watch.close()
+            watch = self._watch = self.journal.watch(self.poll_s)
+            if watch is not None:
+                return  # it reports changes from now on: read once more first
+        if watch is None or found:
+            self._stop.wait(self.poll_s)
+        if watch is not None and not self._stop.is_set():
+            watch.wait()
 
     def catch_up(self) -> bool:
         """Reads the next records; True when there may be more right away."""
@@ -231,8 +256,8 @@ class StorageFeed:
     def describe(self) -> dict[str, Any]:
         with self._lock:
             return {"objects": len(self._objects), "records": self.records, "gaps": self.gaps,
-                    "read_cpu_s": round(self.read_cpu_s, 6), **self.journal.counts(),
-                    **self.journal.describe()}  # fmt: skip
+                    "read_cpu_s": round(self.read_cpu_s, 6), "watched": self._watch is not None,
+                    **self.journal.counts(), **self.journal.describe()}  # fmt: skip
 
 
 class _Changes:

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from .dirwatch import DirectoryWatch, watch_directory
 from .objects import crc32
 
 log = logging.getLogger(__name__)
@@ -374,6 +375,10 @@ class Journal(ABC):
     @abstractmethod
     def read(self, position: int, limit: int) -> JournalRead:
         """About ``limit`` records (whole appends) after ``position`` (0: the oldest kept)."""
+
+    def watch(self, poll_s: float) -> DirectoryWatch | None:
+        """What wakes a reader when records may have been appended (None: poll every ``poll_s``)."""
+        return None
 
     def _decode(self, body: bytes) -> Batch | None:
         batch = decode_frame(body)
@@ -750,6 +755,15 @@ class FileJournal(Journal):
                 self._paths.clear()
             path = self._paths[segment] = f"{self.directory}/{segment:012d}.log"
         return path
+
+    def watch(self, poll_s: float) -> DirectoryWatch | None:
+        """The journal's directory watched for appends; before the first append made it, the
+        storage directory, until something is made there. None where neither exists yet or
+        inotify is unavailable."""
+        if os.path.isdir(self.directory):
+            return watch_directory(self.directory, poll_s)
+        parent = os.path.dirname(self.directory)
+        return watch_directory(parent, poll_s, once=True) if os.path.isdir(parent) else None
 
     def _segments(self) -> list[int]:
         try:

@@ -1,0 +1,151 @@
+"""Waiting for a directory's files to change (Linux inotify), so that a daemon following the
+storage journal reads it when another daemon appends instead of every 0.1 s: an idle daemon
+wakes for nothing, and a record after a quiet spell is read at once.
+
+inotify sees the writes of this machine only: on a network file system another host's
+appends are found by polling (``poll_s`` of ``watch_directory``). Where inotify is missing or
+out of instances, ``watch_directory`` returns None and the caller polls as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import re
+import select
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_IN_MODIFY, _IN_MOVED_TO, _IN_CREATE = 0x2, 0x80, 0x100
+_IN_DELETE_SELF, _IN_MOVE_SELF, _IN_IGNORED = 0x400, 0x800, 0x8000
+_MASK = _IN_MODIFY | _IN_MOVED_TO | _IN_CREATE | _IN_DELETE_SELF | _IN_MOVE_SELF
+_GONE = _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_IGNORED  # the directory itself went away
+_EVENT = struct.Struct("iIII")  # wd, mask, cookie, length of the name that follows
+# File systems whose every write is made on this machine (inotify sees all of them).
+LOCAL_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs",
+                                "bcachefs", "overlay", "jfs", "reiserfs"})  # fmt: skip
+_ESCAPE = re.compile(r"\\([0-7]{3})")
+LOCAL_POLL_S = 2.0  # a safety net where inotify sees every write
+
+
+class DirectoryWatch:
+    """Wakes ``wait`` when a file in ``directory`` is written, created or moved in (or
+    ``wake`` is called, or ``poll_s`` passes). One thread waits; ``wake`` from any."""
+
+    def __init__(self, fd: int, directory: str, poll_s: float, once: bool = False) -> None:
+        self.directory, self.poll_s, self.once = directory, poll_s, once
+        self._fd = fd
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.gone = False  # the directory was removed or moved (or ``once`` saw a change): watch again
+        self.wakeups = 0  # waits that ended on a change
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Waits until something changed (True), or ``timeout_s`` (``poll_s`` unless given)
+        passed or ``wake`` was called (False)."""
+        ready, _, _ = select.select([self._fd, self._wake_r], [], [], self.poll_s if timeout_s is None else timeout_s)
+        if self._wake_r in ready:
+            _drain(self._wake_r)
+        if self._fd not in ready:
+            return False
+        mask = 0
+        for data in _reads(self._fd):
+            mask |= _masks(data)
+        self.gone = self.gone or self.once or bool(mask & _GONE)
+        self.wakeups += 1
+        return True
+
+    def wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # a wake is pending already
+            os.write(self._wake_w, b"w")
+
+    def close(self) -> None:
+        for fd in (self._fd, self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def watch_directory(directory: str, poll_s: float, once: bool = False) -> DirectoryWatch | None:
+    """A watch on ``directory`` (which must exist), polling every ``poll_s`` on a network
+    file system and every ``LOCAL_POLL_S`` on a local one; None where inotify is unavailable.
+    ``once``: the first change ends it (a directory watched until another appears in it)."""
+    init, add_watch = _inotify()
+    if init is None or add_watch is None:
+        return None
+    fd = init(os.O_NONBLOCK | os.O_CLOEXEC)
+    if fd < 0:
+        log.info("storage journal: no inotify instance (%s); polling every %.1fs",
+                 os.strerror(ctypes.get_errno()), poll_s)  # fmt: skip
+        return None
+    if add_watch(fd, os.fsencode(directory), _MASK) < 0:
+        os.close(fd)
+        return None
+    local = file_system_of(directory) in LOCAL_FILE_SYSTEMS
+    return DirectoryWatch(fd, directory, max(poll_s, LOCAL_POLL_S) if local else poll_s, once)
+
+
+def file_system_of(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
+    """The type of the file system ``path`` is on ("" when not known)."""
+    try:
+        with open(mountinfo, encoding="utf-8", errors="replace") as f:
+            return mount_type(os.path.realpath(path), f.read())
+    except OSError:
+        return ""
+
+
+def mount_type(path: str, mountinfo: str) -> str:
+    """The type of the mount in ``mountinfo`` (/proc/self/mountinfo's text) that holds
+    ``path``: the last one mounted on the longest mount point above it."""
+    best, found = -1, ""
+    for line in mountinfo.splitlines():
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not rest:
+            continue
+        point = _unescape(parts[4])
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= best:
+            best, found = len(point), rest.split()[0]
+    return found
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path: spaces, tabs, newlines and backslashes are written as octal escapes."""
+    return _ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _inotify() -> tuple[Any, Any]:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        return libc.inotify_init1, libc.inotify_add_watch
+    except (OSError, AttributeError):  # not Linux, or a libc without inotify
+        return None, None
+
+
+def _reads(fd: int) -> Iterator[bytes]:
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        if not data:
+            return
+        yield data
+
+
+def _masks(data: bytes) -> int:
+    mask, at = 0, 0
+    while at + _EVENT.size <= len(data):
+        _, event_mask, _, length = _EVENT.unpack_from(data, at)
+        mask |= event_mask
+        at += _EVENT.size + length
+    return mask
+
+
+def _drain(fd: int) -> None:
+    for _ in _reads(fd):
+        pass
