@@ -110,8 +110,9 @@ class StorageFeed:
 
     def _wait(self, found: bool) -> None:
         """Until the journal may have grown. Where the journal's directory can be watched,
-        a quiet journal costs no wake-up and a record is read as soon as it is appended;
-        while records come, reads stay ``poll_s`` apart. Elsewhere: ``poll_s``."""
+        a quiet journal costs a wake-up every few seconds, not every ``poll_s``, and a record
+        is read as soon as it is appended; while records come, reads stay ``poll_s`` apart.
+        Elsewhere: ``poll_s``."""
         watch = self._watch
         if watch is None or watch.gone:
             if watch is not None:

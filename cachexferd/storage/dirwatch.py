@@ -1,6 +1,6 @@
 """Waiting for a directory's files to change (Linux inotify), so that a daemon following the
 storage journal reads it when another daemon appends instead of every 0.1 s: an idle daemon
-wakes for nothing, and a record after a quiet spell is read at once.
+wakes once every ``LOCAL_POLL_S``, and a record after a quiet spell is read at once.
 
 inotify sees the writes of this machine only: on a network file system another host's
 appends are found by polling (``poll_s`` of ``watch_directory``). Where inotify is missing or
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import re
@@ -83,6 +84,8 @@ def watch_directory(directory: str, poll_s: float, once: bool = False) -> Direct
                  os.strerror(ctypes.get_errno()), poll_s)  # fmt: skip
         return None
     if add_watch(fd, os.fsencode(directory), _MASK) < 0:
+        log.info("storage journal: cannot watch %s (%s); polling every %.1fs",
+                 directory, os.strerror(ctypes.get_errno()), poll_s)  # fmt: skip
         os.close(fd)
         return None
     local = file_system_of(directory) in LOCAL_FILE_SYSTEMS
@@ -118,6 +121,7 @@ def _unescape(field: str) -> str:
     return _ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
 
 
+@functools.cache
 def _inotify() -> tuple[Any, Any]:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)

@@ -1,5 +1,5 @@
 """Following the storage journal by its directory's changes (storage/dirwatch.py, inotify):
-a follower reads an append at once, wakes for nothing while the journal is quiet, finds the
+a follower reads an append at once, hardly wakes while the journal is quiet, finds the
 journal's directory when it is made, and polls where it cannot watch."""
 
 from __future__ import annotations
