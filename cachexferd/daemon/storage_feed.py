@@ -1,7 +1,7 @@
 """The daemon's view of the shared store, from its journal, and the STORAGE_EVENTS pages.
 
 A thread follows the journal (storage/journal.py): as soon as it is appended to where its
-directory can be watched (storage/dirwatch.py; at most every ``POLL_S`` while records keep
+directory can be watched (storage/journal_watch.py; at most every ``POLL_S`` while records keep
 coming), else every ``POLL_S``; and an I/O thread catches up before a STORE reserves room.
 It keeps what is in the store now (object id -> the batch of records, as read, that stored
 it) and the latest ``RING`` changes, each numbered as the daemon read it. Records stay in
@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ..storage.dirwatch import DirectoryWatch
 from ..storage.journal import OP_NAMES, REMOVED, STORED, Batch, Journal, Row
+from ..storage.journal_watch import JournalWatch
 from ..storage.objects import parse_object_name
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class StorageFeed:
         self.gaps = 0  # times records were lost before this daemon read them
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._watch: DirectoryWatch | None = None  # wakes the follower on appends (inotify)
+        self._watch: JournalWatch | None = None  # wakes the follower on appends
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._follow, name="storage-journal", daemon=True)

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from .dirwatch import DirectoryWatch, watch_directory
+from .journal_watch import JournalWatch, StreamWatch, watch_directory
 from .objects import crc32
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ _FILE_HEAD = struct.Struct("<4sII")
 TORN_AFTER_S = 10.0  # a file that ends in an unfinished frame and has not changed for this long: torn
 REDIS_KEY = "cachexferd:journal"  # cannot be an object's name: those start with "w<version>/" or "<namespace>/"
 REDIS_MAX_ENTRIES = 10_000  # stream entries kept (trimming counts entries, not records)
+STREAM_BLOCK_S = 1.0  # the longest blocking read of a Redis journal's reader
 REDIS_FRAME_RECORDS = 20  # records per entry at most: the stream keeps at most ~200,000 records (~40 MB)
 _SEQ_BITS = 20  # position = milliseconds << 20 | sequence number within the millisecond
 _MINE = 4096  # own appends remembered until read back
@@ -376,7 +377,7 @@ class Journal(ABC):
     def read(self, position: int, limit: int) -> JournalRead:
         """About ``limit`` records (whole appends) after ``position`` (0: the oldest kept)."""
 
-    def watch(self, poll_s: float) -> DirectoryWatch | None:
+    def watch(self, poll_s: float) -> JournalWatch | None:
         """What wakes a reader when records may have been appended (None: poll every ``poll_s``)."""
         return None
 
@@ -756,7 +757,7 @@ class FileJournal(Journal):
             path = self._paths[segment] = f"{self.directory}/{segment:012d}.log"
         return path
 
-    def watch(self, poll_s: float) -> DirectoryWatch | None:
+    def watch(self, poll_s: float) -> JournalWatch | None:
         """The journal's directory watched for appends; before the first append made it, the
         storage directory, until something is made there. None where neither exists yet or
         inotify is unavailable."""
@@ -789,6 +790,16 @@ class RedisJournal(Journal):
     def __init__(self, client: Any, key: str = REDIS_KEY, max_entries: int = REDIS_MAX_ENTRIES) -> None:
         super().__init__()
         self.client, self.key, self.max_entries = client, key, max_entries
+        self._read_to = 0  # the position the last read reached
+
+    def watch(self, poll_s: float) -> JournalWatch | None:
+        """A blocking read of the entries after the last one read (one wait at most a second,
+        and under the client's socket timeout)."""
+        timeout_s = self.client.connection_pool.connection_kwargs.get("socket_timeout") or STREAM_BLOCK_S * 2
+        return StreamWatch(self.client, self.key, self._after, poll_s, min(STREAM_BLOCK_S, timeout_s / 2))
+
+    def _after(self) -> str:
+        return _stream_id(self._read_to) if self._read_to else "0-0"
 
     def _write(self, batches: list[Batch]) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -804,6 +815,7 @@ class RedisJournal(Journal):
         entries, first = pipe.execute()
         batches = [b for _, fields in entries if (b := self._decode(fields.get(b"r", b""))) is not None]
         end = _position(entries[-1][0]) if entries else position
+        self._read_to = end
         return JournalRead(merged(batches), end, gap=position != 0 and _trimmed_after(first, position))
 
     def describe(self) -> dict[str, object]:

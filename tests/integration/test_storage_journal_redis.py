@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
+from cachexferd.daemon.storage_feed import StorageFeed
 from cachexferd.protocol import StorageEvents
-from cachexferd.storage.journal import STORED, JournalRecord, RedisJournal, object_id
+from cachexferd.storage.journal import STORED, JournalRead, JournalRecord, RedisJournal, object_id
 from cachexferd.storage_servers import RedisServer
 from tests.servers import redis_server  # noqa: F401 - fixture
 from tests.storage_rig import Node
@@ -102,3 +103,50 @@ def test_a_reader_whose_records_were_trimmed_learns_of_the_gap(redis_server: Red
     assert not journal.read(behind.position, 10).gap
     client.delete(journal.key)
     assert journal.read(behind.position, 10).gap, "a stream that is gone lost every record"
+
+
+class CountedRedisJournal(RedisJournal):
+    """A Redis journal that counts its reads."""
+
+    reads = 0
+
+    def read(self, position: int, limit: int) -> JournalRead:
+        self.reads += 1
+        return super().read(position, limit)
+
+
+def test_a_follower_of_the_stream_reads_an_append_at_once_and_hardly_polls_while_it_is_quiet(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    import redis
+
+    # One connection, as a busy daemon's I/O threads may leave: the follower's blocking read takes none of them.
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=5.0, max_connections=1, protocol=2)
+    key = f"test-journal-{time.monotonic_ns()}"
+    writer = RedisJournal(redis.Redis.from_url(redis_server.url), key=key)
+    writer.append([JournalRecord(STORED, object_id("w0/first"), "w0/first", b"")])
+    journal = CountedRedisJournal(client, key=key)
+    feed = StorageFeed(journal, "", poll_s=0.05)
+    feed.start()
+    try:
+        seen_within(feed, object_id("w0/first"))
+        reads = journal.reads
+        time.sleep(1.0)  # quiet: polling every 0.05 s would read about 20 times
+        assert journal.reads - reads <= 3
+        assert client.ping()  # while the follower blocks on the stream
+        writer.append([JournalRecord(STORED, object_id("w0/next"), "w0/next", b"")])
+        assert seen_within(feed, object_id("w0/next")) < 0.5  # not the end of a 1 s blocking read
+        assert feed.describe()["watched"] is True
+    finally:
+        started = time.monotonic()
+        feed.close()
+        assert time.monotonic() - started < 2.0
+
+
+def seen_within(feed: StorageFeed, oid: bytes) -> float:
+    """Seconds until the feed holds ``oid`` (fails past WAIT_S)."""
+    started = time.monotonic()
+    while not feed.holds(oid):
+        assert time.monotonic() - started < WAIT_S, "the follower did not read the append"
+        time.sleep(0.005)
+    return time.monotonic() - started

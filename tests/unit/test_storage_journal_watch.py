@@ -1,4 +1,4 @@
-"""Following the storage journal by its directory's changes (storage/dirwatch.py, inotify):
+"""Following the storage journal by its directory's changes (storage/journal_watch.py, inotify):
 a follower reads an append at once, hardly wakes while the journal is quiet, finds the
 journal's directory when it is made, and polls where it cannot watch."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from cachexferd.daemon.storage_feed import StorageFeed
-from cachexferd.storage import dirwatch
-from cachexferd.storage.dirwatch import LOCAL_POLL_S, DirectoryWatch, mount_type, watch_directory
+from cachexferd.storage import journal_watch
 from cachexferd.storage.journal import STORED, FileJournal, JournalRead, JournalRecord, object_id
+from cachexferd.storage.journal_watch import LOCAL_POLL_S, DirectoryWatch, mount_type, watch_directory
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/sys/fs/inotify"), reason="needs Linux inotify")
 
@@ -90,10 +90,10 @@ def test_the_file_system_is_that_of_the_longest_mount_point_above_the_path(path:
 
 
 def test_a_network_file_system_is_polled_as_often_as_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert dirwatch.file_system_of("/proc") == "proc"
-    monkeypatch.setattr(dirwatch, "file_system_of", lambda path: "nfs4")
+    assert journal_watch.file_system_of("/proc") == "proc"
+    monkeypatch.setattr(journal_watch, "file_system_of", lambda path: "nfs4")
     remote = a_watch(tmp_path, poll_s=0.1)
-    monkeypatch.setattr(dirwatch, "file_system_of", lambda path: "ext4")
+    monkeypatch.setattr(journal_watch, "file_system_of", lambda path: "ext4")
     local = a_watch(tmp_path, poll_s=0.1)
     try:
         assert remote.poll_s == 0.1 and local.poll_s == LOCAL_POLL_S

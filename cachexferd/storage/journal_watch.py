@@ -1,10 +1,13 @@
-"""Waiting for a directory's files to change (Linux inotify), so that a daemon following the
-storage journal reads it when another daemon appends instead of every 0.1 s: an idle daemon
-wakes once every ``LOCAL_POLL_S``, and a record after a quiet spell is read at once.
+"""What wakes a daemon that follows the storage journal when another daemon appends, so that
+it reads then instead of every 0.1 s: an idle daemon wakes once every few seconds, and a
+record after a quiet spell is read at once.
 
-inotify sees the writes of this machine only: on a network file system another host's
-appends are found by polling (``poll_s`` of ``watch_directory``). Where inotify is missing or
-out of instances, ``watch_directory`` returns None and the caller polls as before.
+- A file journal: its directory's changes (Linux inotify, ``watch_directory``). inotify sees
+  the writes of this machine only: on a network file system another host's appends are found
+  by polling (``poll_s``). Where inotify is missing or out of instances, there is no watch
+  and the reader polls as before.
+- A Redis stream: a blocking read of the entries after those read (XREAD BLOCK,
+  ``StreamWatch``) on a connection of its own.
 """
 
 from __future__ import annotations
@@ -18,10 +21,30 @@ import os
 import re
 import select
 import struct
-from collections.abc import Iterator
-from typing import Any
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
+
+
+class JournalWatch(Protocol):
+    """Waits, on the one thread that follows a journal, until records may have been appended."""
+
+    poll_s: float  # the longest wait: a safety net where changes are seen, the poll where not
+    gone: bool  # this watch sees nothing more: make a new one
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """True when something may have been appended; False after ``timeout_s`` (``poll_s``
+        unless given) or a ``wake``."""
+        ...
+
+    def wake(self) -> None:
+        """Ends a wait soon (from any thread)."""
+        ...
+
+    def close(self) -> None: ...
+
 
 _IN_MODIFY, _IN_MOVED_TO, _IN_CREATE = 0x2, 0x80, 0x100
 _IN_DELETE_SELF, _IN_MOVE_SELF, _IN_IGNORED = 0x400, 0x800, 0x8000
@@ -122,6 +145,42 @@ def _unescape(field: str) -> str:
 
 
 @functools.cache
+class StreamWatch:
+    """Waits for entries after the last one read of a Redis stream (XREAD BLOCK), on a
+    connection of its own: a blocked read holds its connection, and the storage I/O threads'
+    pool must not lose one to it. A wake takes effect within ``block_s``."""
+
+    def __init__(self, client: Any, key: str, read_to: Callable[[], str], poll_s: float, block_s: float) -> None:
+        pool = client.connection_pool
+        self._redis = type(client)(connection_pool=type(pool)(
+            connection_class=pool.connection_class, max_connections=1, **pool.connection_kwargs))  # fmt: skip
+        self.key, self.read_to, self.block_s = key, read_to, block_s
+        self.poll_s = max(poll_s, block_s)
+        self.gone = False
+        self.wakeups = 0
+        self._woken = threading.Event()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        if self._woken.is_set():
+            self._woken.clear()
+            return False
+        block_s = min(self.block_s, self.poll_s if timeout_s is None else timeout_s)
+        try:
+            got = self._redis.xread({self.key: self.read_to()}, count=1, block=max(1, int(block_s * 1000)))
+        except Exception as exc:  # the server is gone: the reader's own read reports it; do not spin
+            log.debug("storage journal: waiting on the stream failed: %s", exc)
+            self._woken.wait(self.block_s)
+            return False
+        self.wakeups += bool(got)
+        return bool(got)
+
+    def wake(self) -> None:
+        self._woken.set()
+
+    def close(self) -> None:
+        self._redis.close()
+
+
 def _inotify() -> tuple[Any, Any]:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
