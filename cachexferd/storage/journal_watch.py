@@ -103,16 +103,24 @@ def watch_directory(directory: str, poll_s: float, once: bool = False) -> Direct
         return None
     fd = init(os.O_NONBLOCK | os.O_CLOEXEC)
     if fd < 0:
-        log.info("storage journal: no inotify instance (%s); polling every %.1fs",
-                 os.strerror(ctypes.get_errno()), poll_s)  # fmt: skip
+        _say_once(f"storage journal: no inotify instance ({os.strerror(ctypes.get_errno())}); polling")
         return None
     if add_watch(fd, os.fsencode(directory), _MASK) < 0:
-        log.info("storage journal: cannot watch %s (%s); polling every %.1fs",
-                 directory, os.strerror(ctypes.get_errno()), poll_s)  # fmt: skip
+        _say_once(f"storage journal: cannot watch {directory} ({os.strerror(ctypes.get_errno())}); polling")
         os.close(fd)
         return None
     local = file_system_of(directory) in LOCAL_FILE_SYSTEMS
     return DirectoryWatch(fd, directory, max(poll_s, LOCAL_POLL_S) if local else poll_s, once)
+
+
+def _say_once(message: str) -> None:
+    """Logged once per process: a reader that cannot watch asks again at every poll."""
+    if message not in _SAID:
+        _SAID.add(message)
+        log.info("%s", message)
+
+
+_SAID: set[str] = set()
 
 
 def file_system_of(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
