@@ -100,7 +100,7 @@ class StorageFeed:
                 failing = False
             except Exception as exc:  # never let the follower die: the view would freeze
                 if not failing:  # once per outage, not every poll
-                    log.warning("reading the storage journal failed (retrying every %.1fs): %s", self.poll_s, exc)
+                    log.warning("reading the storage journal failed (retrying): %s", exc)
                 failing, more = True, False
             if not more:
                 started = time.thread_time()
