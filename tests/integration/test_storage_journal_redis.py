@@ -150,3 +150,28 @@ def seen_within(feed: StorageFeed, oid: bytes) -> float:
         assert time.monotonic() - started < WAIT_S, "the follower did not read the append"
         time.sleep(0.005)
     return time.monotonic() - started
+
+
+def test_a_follower_whose_server_went_away_neither_spins_nor_stops(tmp_path: Path) -> None:
+    import redis
+
+    from cachexferd.storage_servers import RedisServer as Server
+
+    server = Server(tmp_path / "redis").start()
+    try:
+        feed = StorageFeed(RedisJournal(redis.Redis.from_url(server.url, socket_timeout=2.0, protocol=2)), "")
+        feed.start()
+        try:
+            time.sleep(0.3)
+            server.stop()
+            started = time.process_time()
+            time.sleep(2.0)
+            assert time.process_time() - started < 0.4  # waiting, not retrying in a loop (a spin is ~2 s)
+            server.start()
+            writer = RedisJournal(redis.Redis.from_url(server.url, protocol=2))
+            writer.append([JournalRecord(STORED, object_id("w0/back"), "w0/back", b"")])
+            seen_within(feed, object_id("w0/back"))
+        finally:
+            feed.close()
+    finally:
+        server.stop()
