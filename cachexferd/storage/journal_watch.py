@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import functools
 import logging
 import os
@@ -191,7 +190,7 @@ class StreamWatch:
 
 def _inotify() -> tuple[Any, Any]:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # the C library already loaded (find_library would run ldconfig)
         return libc.inotify_init1, libc.inotify_add_watch
     except (OSError, AttributeError):  # not Linux, or a libc without inotify
         return None, None
