@@ -72,6 +72,7 @@ class StorageFeed:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watch: JournalWatch | None = None  # wakes the follower on appends
+        self._watch_failed = False  # making or waiting on a watch raised (said once)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._follow, name="storage-journal", daemon=True)
@@ -104,9 +105,21 @@ class StorageFeed:
                 failing, more = True, False
             if not more:
                 started = time.thread_time()
-                self._wait(found=self.records != records and not failing)
+                try:
+                    self._wait(found=self.records != records and not failing)
+                except Exception as exc:  # a watch that fails (no file descriptors left...): poll instead
+                    if not self._watch_failed:  # once, not at every poll
+                        log.warning("storage journal: waiting for appends failed (polling instead): %s", exc)
+                    self._watch_failed = True
+                    self._drop_watch()
+                    self._stop.wait(self.poll_s)
                 with self._reading:  # waking up is part of what following costs
                     self.read_cpu_s += time.thread_time() - started
+
+    def _drop_watch(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.close()
 
     def _wait(self, found: bool) -> None:
         """Until the journal may have grown. Where the journal's directory can be watched,
@@ -115,8 +128,7 @@ class StorageFeed:
         Elsewhere: ``poll_s``."""
         watch = self._watch
         if watch is None or watch.gone:
-            if watch is not None:
-                watch.close()
+            self._drop_watch()
             watch = self._watch = self.journal.watch(self.poll_s)
             if watch is not None:
                 return  # it reports changes from now on: read once more first

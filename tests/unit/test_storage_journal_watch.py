@@ -198,3 +198,26 @@ def closed_quickly(feed: StorageFeed) -> None:
     started = time.monotonic()
     feed.close()
     assert time.monotonic() - started < 0.45  # the follower's wait is woken, not waited out
+
+
+def test_a_follower_whose_watch_fails_polls_and_reads_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    journal_dir = tmp_path / ".journal"
+    stored(journal_dir, "w0/first")
+    journal = Counted(str(journal_dir))
+
+    def no_descriptors(poll_s: float) -> None:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(journal, "watch", no_descriptors)
+    feed = StorageFeed(journal, "", poll_s=0.05)
+    feed.start()
+    try:
+        assert seen_within(feed, stored(journal_dir, "w0/next"), 5.0) < 1.0  # the follower did not die
+        reads = journal.reads
+        time.sleep(0.5)
+        assert journal.reads - reads >= 3 and feed.describe()["watched"] is False  # it polls
+        assert len([r for r in caplog.records if "waiting for appends failed" in r.getMessage()]) == 1
+    finally:
+        closed_quickly(feed)
