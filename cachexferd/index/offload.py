@@ -96,6 +96,13 @@ class OffloadIndex:
                 room -= 1
         return hits
 
+    def storing(self, digest: bytes) -> bool:
+        """Whether the block is being written into the host tier (``prepare_store`` and no
+        ``complete_store`` yet) and still in the tree: it becomes readable when that write
+        completes, unless the write fails."""
+        node = self._storing.get(digest)
+        return node is not None and not node.flags & DEAD
+
     def prepare_load(self, hashes: Sequence[HashLike]) -> LoadPlan:
         """Where each block is: its host block id, or (storage) a host block allocated here
         that the block must be read into first (``LoadPlan.from_storage``). Every block is

@@ -94,6 +94,25 @@ def test_store_skips_blocks_already_offloaded_or_in_flight() -> None:
     index.check()
 
 
+def test_storing_says_which_blocks_a_completed_write_will_make_readable() -> None:
+    index = OffloadIndex(8, SPACE, debug=True)
+    a, b, c = blocks(1, 2), blocks(2, 1), blocks(3, 1)
+    offload(index, a[:1])
+    for chain in (a, b, c):
+        assert index.prepare_store(chain) is not None
+    assert [index.storing(d) for d in a + b + c] == [False, True, True, True]  # a[0] is readable already
+    assert index.lookup(a) == 1
+    index.complete_store(a)
+    index.complete_store(b, success=False)
+    assert [index.storing(d) for d in a + b] == [False, False, False]
+    assert index.lookup(a) == 2 and index.lookup(b) == 0
+    index.new_weights("step-2")  # c is dropped while its write is in flight: it will never be readable
+    assert not index.storing(c[0])
+    index.complete_store(c)
+    assert index.lookup(c) == 0 and not index.storing(c[0])
+    index.check()
+
+
 def test_eviction_takes_lru_unprotected_blocks_and_reports_them() -> None:
     index = OffloadIndex(4, events=True, debug=True)
     a, b, c = blocks(1, 2), blocks(2, 2), blocks(3, 2)

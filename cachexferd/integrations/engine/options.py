@@ -29,8 +29,8 @@ class PluginOptions:
     # when the daemons have a storage backend).
     storage: str = "write_through"
     # The longest a request (or an engine step) waits on the daemon: a load not done by then
-    # is recomputed, a store the engine waits for is given up; a daemon silent that long gets no
-    # new transfers until it answers again.
+    # is recomputed, a store the engine waits for is given up, a block still being stored is
+    # computed; a daemon silent that long gets no new transfers until it answers again.
     max_stall_s: float = 0.5
     # A store nobody waits for that the daemon has not finished by then counts as failed.
     transfer_timeout_s: float = 10.0

@@ -54,6 +54,8 @@ from .vllm_api import (
 log = logging.getLogger("vllm.cachexferd")  # a child of vLLM's logger: our lines show in its log
 ATTACH_WAIT_S = 2.0  # after a (re)connection, how long lookups and stores wait for the host tier to open
 JOURNAL_BLOCKS_PER_STEP = 20_000  # storage journal changes taken per step (a bound on the step's work)
+STORE_WAITS_KEPT = 1024  # requests remembered as waiting for stores, before those seen long ago are forgotten
+STORE_WAITS_FORGET_S = 60.0
 
 IndexFactory = Callable[[int, bool], OffloadIndex]  # (host_blocks, storage) -> index
 
@@ -83,6 +85,7 @@ class CachexferdManager(OffloadingManager):
         self._built_for: tuple[int, list[int | None], list[int | None]] = (-1, [], [])  # (conn.opened,
         # host generations, weights versions)
         self._failed: set[bytes] = set()  # digests the workers reported failed, until completed
+        self._store_waits: dict[str, float] = {}  # req_id -> its first lookup that found a block being stored
         self._owner_base = owner
         self._epoch = 0  # indexes built so far: part of the owner token of the current one
         self.prefetch = StoragePrefetch(names, owner=owner, timeout_s=options.max_stall_s, on_place=self.events.know)
@@ -90,7 +93,7 @@ class CachexferdManager(OffloadingManager):
         self._adoption: HostKeysFetch | None = None  # reading what an earlier instance left (1.3)
         self.journal: JournalFeed | None = None  # the shared storage's journal (1.4), with events on
         self.stats = {"lookups": 0, "hits": 0, "loads": 0, "stores": 0, "store_refused": 0, "rebuilds": 0,
-                      "failed": 0, "adopted": 0}  # fmt: skip
+                      "failed": 0, "adopted": 0, "waited_for_stores": 0}  # fmt: skip
         conn.start()
         self._refresh()
 
@@ -219,12 +222,29 @@ class CachexferdManager(OffloadingManager):
             return LookupResult.RETRY
         if index is None or not self.conn.usable or not self.serve_loads:
             return LookupResult.MISS  # a daemon behind: no load it could not serve (nor failure to forget)
-        if index.lookup(self._digests([key])):
+        digests = self._digests([key])
+        if index.lookup(digests):
             self.stats["hits"] += 1
             return LookupResult.HIT
+        if index.storing(digests[0]) and self._may_wait_for_store(req_context.req_id):
+            return LookupResult.HIT_PENDING  # readable once its store completes: vLLM asks again next step
         if self._storage and self.prefetch.consider(key, req_context.req_id):
             return LookupResult.RETRY  # asking the storage; vLLM asks again next step
         return LookupResult.MISS
+
+    def _may_wait_for_store(self, req_id: str) -> bool:
+        """A request whose prefix runs into blocks still being stored (a prompt that comes
+        back while its first turn's stores are in flight) waits for them, as for vLLM's own
+        offloading, but at most ``max_stall_s`` from its first such lookup: then it computes
+        them (a store to a daemon that stopped answering may take ``transfer_timeout_s``)."""
+        now = time.monotonic()
+        since = self._store_waits.get(req_id)
+        if since is None:
+            since = self._store_waits[req_id] = now
+            self.stats["waited_for_stores"] += 1
+        if len(self._store_waits) > STORE_WAITS_KEPT:  # requests that left while waiting
+            self._store_waits = {r: t for r, t in self._store_waits.items() if now - t < STORE_WAITS_FORGET_S}
+        return now - since < self.options.max_stall_s
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Once per step: notice a lost daemon or a cleared host cache (its blocks are then
@@ -250,6 +270,7 @@ class CachexferdManager(OffloadingManager):
         if index is None:
             # Lost between lookup and load: the worker fails the job and vLLM recomputes.
             return HostLoadSpec(req_context.req_id, keys, [-1] * len(keys), [False] * len(keys))
+        self._store_waits.pop(req_context.req_id, None)  # waited (if it did) and loads now
         placed = prepare_loads(index, self._digests(keys))
         self.stats["loads"] += 1
         return HostLoadSpec(req_context.req_id, keys, placed.host_ids, placed.from_storage, self.owner)

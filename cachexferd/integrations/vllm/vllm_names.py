@@ -206,7 +206,7 @@ MANAGER = [
     Use(f"{KV_OFFLOAD}:LookupResult", "bases", "Enum", "manager.lookup returns it"),
     *(
         Use(f"{KV_OFFLOAD}:LookupResult.{m}", "attribute", "present", "manager.lookup returns it")
-        for m in ("MISS", "HIT", "RETRY")
+        for m in ("MISS", "HIT", "HIT_PENDING", "RETRY")
     ),
     Use(f"{KV_OFFLOAD}:ReqContext.req_id", "attribute", "present", "manager.py reads it"),
     Use(f"{KV_OFFLOAD}:ReqContext.get_state", "signature", "(self, cls)", "manager._chains"),
