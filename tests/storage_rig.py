@@ -4,6 +4,7 @@ connected engine client, plus helpers to run storage commands and read storage m
 from __future__ import annotations
 
 import struct
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cachexferd.client import EngineClient, RunnerClient, ShmKVCache
 from cachexferd.client.pending import Completion
+from cachexferd.daemon.storage_feed import StorageFeed
 from cachexferd.launch import DaemonProcess
 from cachexferd.protocol import KVLayout
 from cachexferd.storage.keys import KeySpace
@@ -20,6 +22,15 @@ from cachexferd.storage.keys import KeySpace
 from .helpers import SMALL, InProcessDaemon, assert_moved, assert_untouched, config_for, fill_random, snapshot
 
 WAIT_S = 30.0
+
+
+def seen_within(feed: StorageFeed, oid: bytes, timeout_s: float) -> float:
+    """Seconds until the storage feed holds ``oid`` (fails past ``timeout_s``)."""
+    started = time.monotonic()
+    while not feed.holds(oid):
+        assert time.monotonic() - started < timeout_s, "the follower did not read the append"
+        time.sleep(0.005)
+    return time.monotonic() - started
 
 
 class Node:

@@ -16,7 +16,7 @@ from cachexferd.protocol import StorageEvents
 from cachexferd.storage.journal import STORED, JournalRead, JournalRecord, RedisJournal, object_id
 from cachexferd.storage_servers import RedisServer
 from tests.servers import redis_server  # noqa: F401 - fixture
-from tests.storage_rig import Node
+from tests.storage_rig import Node, seen_within
 
 pytestmark = pytest.mark.redis
 WAIT_S = 10.0
@@ -129,27 +129,18 @@ def test_a_follower_of_the_stream_reads_an_append_at_once_and_hardly_polls_while
     feed = StorageFeed(journal, "", poll_s=0.05)
     feed.start()
     try:
-        seen_within(feed, object_id("w0/first"))
+        seen_within(feed, object_id("w0/first"), WAIT_S)
         reads = journal.reads
         time.sleep(1.0)  # quiet: polling every 0.05 s would read about 20 times
         assert journal.reads - reads <= 3
         assert client.ping()  # while the follower blocks on the stream
         writer.append([JournalRecord(STORED, object_id("w0/next"), "w0/next", b"")])
-        assert seen_within(feed, object_id("w0/next")) < 0.5  # not the end of a 1 s blocking read
+        assert seen_within(feed, object_id("w0/next"), WAIT_S) < 0.5  # not the end of a 1 s blocking read
         assert feed.describe()["watched"] is True
     finally:
         started = time.monotonic()
         feed.close()
         assert time.monotonic() - started < 2.0
-
-
-def seen_within(feed: StorageFeed, oid: bytes) -> float:
-    """Seconds until the feed holds ``oid`` (fails past WAIT_S)."""
-    started = time.monotonic()
-    while not feed.holds(oid):
-        assert time.monotonic() - started < WAIT_S, "the follower did not read the append"
-        time.sleep(0.005)
-    return time.monotonic() - started
 
 
 def test_a_follower_whose_server_went_away_neither_spins_nor_stops(tmp_path: Path) -> None:
@@ -170,7 +161,7 @@ def test_a_follower_whose_server_went_away_neither_spins_nor_stops(tmp_path: Pat
             server.start()
             writer = RedisJournal(redis.Redis.from_url(server.url, protocol=2))
             writer.append([JournalRecord(STORED, object_id("w0/back"), "w0/back", b"")])
-            seen_within(feed, object_id("w0/back"))
+            seen_within(feed, object_id("w0/back"), WAIT_S)
         finally:
             feed.close()
     finally:

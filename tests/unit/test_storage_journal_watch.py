@@ -16,6 +16,7 @@ from cachexferd.daemon.storage_feed import StorageFeed
 from cachexferd.storage import journal_watch
 from cachexferd.storage.journal import STORED, FileJournal, JournalRead, JournalRecord, object_id
 from cachexferd.storage.journal_watch import LOCAL_POLL_S, DirectoryWatch, mount_type, watch_directory
+from tests.storage_rig import seen_within
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/sys/fs/inotify"), reason="needs Linux inotify")
 
@@ -115,15 +116,6 @@ class Counted(FileJournal):
 def stored(directory: Path, name: str) -> bytes:
     FileJournal(str(directory)).append([JournalRecord(STORED, object_id(name), name, b"", 1)])
     return object_id(name)
-
-
-def seen_within(feed: StorageFeed, oid: bytes, timeout_s: float) -> float:
-    """Seconds until the feed holds ``oid`` (fails past ``timeout_s``)."""
-    started = time.monotonic()
-    while not feed.holds(oid):
-        assert time.monotonic() - started < timeout_s, "the follower did not read the append"
-        time.sleep(0.005)
-    return time.monotonic() - started
 
 
 def test_a_follower_reads_an_append_at_once_and_wakes_for_nothing_while_it_is_quiet(tmp_path: Path) -> None:
