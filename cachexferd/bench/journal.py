@@ -34,9 +34,7 @@ from ..daemon.server import tune_gc
 from ..daemon.storage_feed import StorageFeed
 from ..storage.file import FileBackend, object_path
 from ..storage.journal import FileJournal, file_frames, frames, stored_batch
-
-_TAG = bytes(36)  # a vLLM offload key: 32-byte block hash + 4-byte group
-_OBJECT_BYTES = (1 << 20) + 64
+from .journal_live import OBJECT_BYTES, TAG, live_rows, print_rows
 
 
 def add_journal_args(p: argparse.ArgumentParser) -> None:
@@ -45,6 +43,10 @@ def add_journal_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pace-us", default="0,200,2000", help="comma-separated: µs between STOREs (0: back to back)")
     p.add_argument("--pace-s", type=float, default=1.0, help="most seconds one paced measurement lasts")
     p.add_argument("--rounds", type=int, default=5, help="measurements per row (median and best reported)")
+    p.add_argument("--live-ms", default="20,200",
+                   help="comma-separated: ms between one-object STOREs that another daemon follows as they come "
+                        "('': skip those rows)")  # fmt: skip
+    p.add_argument("--live-records", type=int, default=20, help="STOREs per live measurement")
     p.add_argument("--path", help="directory for the journal (default: a temp dir in /dev/shm)")
     p.add_argument("--json", help="write the rows to this file")
     p.set_defaults(func=run)
@@ -84,9 +86,9 @@ def journal_cpu(
     for i, at in zip(range(0, len(names), per_store), _pace(pace_s)):
         part = names[i : i + per_store]
         if grouped:
-            written = journal.store(part, [_TAG] * len(part), _OBJECT_BYTES, here=True)
+            written = journal.store(part, [TAG] * len(part), OBJECT_BYTES, here=True)
         else:
-            written = daemons.io.submit(journal._write, [stored_batch(part, [_TAG] * len(part), _OBJECT_BYTES)])
+            written = daemons.io.submit(journal._write, [stored_batch(part, [TAG] * len(part), OBJECT_BYTES)])
         at()
     journal.flush()
     written.result()
@@ -130,7 +132,7 @@ def pace_cpu(stores: int, pace_s: float) -> float:
 def raw_cpu(root: Path, names: list[str], per_store: int, pace_s: float) -> float:
     """CPU seconds of the same bytes through one ``os.write`` per STORE and one read back,
     one STORE every ``pace_s`` (0: back to back)."""
-    stores = [stored_batch(names[i : i + per_store], [_TAG] * per_store, _OBJECT_BYTES)
+    stores = [stored_batch(names[i : i + per_store], [TAG] * per_store, OBJECT_BYTES)
               for i in range(0, len(names), per_store)]  # fmt: skip
     path = str(root / "raw.log")
     start = time.process_time()
@@ -196,6 +198,7 @@ def _ints(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     root = Path(args.path or tempfile.mkdtemp(prefix="cx-bench-journal-", dir="/dev/shm"))
     rows = []
+    live: list[dict[str, Any]] = []
     tune_gc()  # the daemon's garbage collector settings: its cost per object is part of the figure
     pairs = {True: Daemons(root / "grouped"), False: Daemons(root / "each")}
     try:
@@ -209,9 +212,12 @@ def run(args: argparse.Namespace) -> int:
                   f"{row['writer_alone_us']:>6.2f} [{row['writer_alone_best_us']:>6.2f}]  "
                   f"{row['follower_us']:>6.2f} [{row['follower_best_us']:>6.2f}]  "
                   f"{row['raw_us']:>6.2f} [{row['raw_best_us']:>6.2f}]", flush=True)  # fmt: skip
+        if args.live_ms:
+            live = live_rows(root, [float(x) for x in args.live_ms.split(",")], args.live_records, min(args.rounds, 3))
+            print_rows(live)
     finally:
         if not args.path:
             shutil.rmtree(root, ignore_errors=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "load_average": os.getloadavg()}, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "live": live, "load_average": os.getloadavg()}, indent=1))
     return 0

@@ -132,10 +132,17 @@ class StorageFeed:
             watch = self._watch = self.journal.watch(self.poll_s)
             if watch is not None:
                 return  # it reports changes from now on: read once more first
-        if watch is None or found:
+        if watch is None:
             self._stop.wait(self.poll_s)
-        if watch is not None and not self._stop.is_set():
-            watch.wait()
+            return
+        read_at = time.monotonic()
+        watch.wait()
+        # After a read that found records, the next read waits for the rest of ``poll_s``
+        # (so a busy journal costs no more reads than polling), but only once there is
+        # something to read: a lone append costs one wake-up, not two.
+        rest = read_at + self.poll_s - time.monotonic() if found else 0.0
+        if rest > 0:
+            self._stop.wait(rest)
 
     def catch_up(self) -> bool:
         """Reads the next records; True when there may be more right away."""

@@ -607,17 +607,23 @@ class FileJournal(Journal):
     # Reading --------------------------------------------------------------------------------
 
     def read(self, position: int, limit: int) -> JournalRead:
-        quick = self._quick_read(position) if position else None
-        if quick is not None:
-            return quick
+        segment, offset = divmod(position, 1 << _SEGMENT_SHIFT)
+        size = self._last_file_size(segment) if position else None
+        if size is not None:  # reading on in the newest file: neither a listing nor a gap
+            own = self._own_appends(segment, offset, size)
+            return own if own is not None else self._read_files(segment, offset, limit, [])
         segments = self._segments()
         if not segments:
             return JournalRead([], position)
-        segment, offset = divmod(position, 1 << _SEGMENT_SHIFT)
         gap = False
         if position == 0 or segment < segments[0]:
             gap = position != 0  # the records after ``position`` were deleted with their file
             segment, offset = segments[0], 0
+        return self._read_files(segment, offset, limit, segments, gap)
+
+    def _read_files(self, segment: int, offset: int, limit: int, segments: list[int], gap: bool = False) -> JournalRead:
+        """About ``limit`` records from ``offset`` of ``segment``, then of the later files
+        among ``segments`` once each earlier one is finished."""
         batches: list[Batch] = []
         others: list[Batch] = []
         count = 0
@@ -634,19 +640,21 @@ class FileJournal(Journal):
         self._forget_mine_before((segment, offset))
         return JournalRead(merged(batches), (segment << _SEGMENT_SHIFT) | offset, gap, others)
 
-    def _quick_read(self, position: int) -> JournalRead | None:
-        """What came after ``position`` when no byte of the file need be read: nothing (its
-        file still ends there and no later one was started), or only this object's own
-        appends, taken from memory. Two ``stat``s: every daemon asks every ``POLL_S`` and a
-        writer reads back each of its writes, where a full read lists the directory and
-        opens the file. None: a full read is needed (another writer's bytes, a new file)."""
-        segment, offset = divmod(position, 1 << _SEGMENT_SHIFT)
+    def _last_file_size(self, segment: int) -> int | None:
+        """The size of ``segment``'s file when it is the newest one; None when it is gone (the
+        reader fell behind: the full read says so) or a later one was started. Two ``stat``s:
+        every daemon reads after every append, where a listing of the directory costs four
+        system calls more."""
         try:
             size = os.stat(self._path(segment)).st_size
-        except FileNotFoundError:  # deleted (the reader fell behind): the full read says so
+        except FileNotFoundError:
             return None
-        if _exists(self._path(segment + 1)):
-            return None
+        return None if _exists(self._path(segment + 1)) else size
+
+    def _own_appends(self, segment: int, offset: int, size: int) -> JournalRead | None:
+        """What came after ``offset`` of the newest file when no byte of it need be read:
+        nothing (it still ends there), or only this object's own appends, taken from memory
+        (a writer reads back each of its writes). None: another writer's bytes are there."""
         batches: list[Batch] = []
         with self._mine_lock:
             starts, at = [], offset

@@ -89,7 +89,8 @@ def test_bench_plot(short_tmp: Path, kind: str) -> None:
 
 def test_bench_journal_reports_every_row(short_tmp: Path) -> None:
     out = short_tmp / "journal.json"
-    args = ["--objects", "64", "--per-store", "1,16", "--pace-us", "0,1000", "--pace-s", "0.02", "--rounds", "1"]
+    args = ["--objects", "64", "--per-store", "1,16", "--pace-us", "0,1000", "--pace-s", "0.02", "--rounds", "1",
+            "--live-ms", "5,20", "--live-records", "4"]  # fmt: skip
     result = run_cli(["bench", "journal", *args, "--path", str(short_tmp / "store"), "--json", str(out)], short_tmp,
                      timeout_s=300)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
@@ -100,6 +101,10 @@ def test_bench_journal_reports_every_row(short_tmp: Path) -> None:
         assert row["stores_per_write"] >= 1.0
     assert rows[0]["stores_per_write"] > 1.0, "64 one-object STOREs back to back shared writes"
     assert f"{'1':>13}  {'0':>7}" in result.stdout
+    live = json.loads(out.read_text())["live"]
+    assert [(r["pace_ms"], r["records"]) for r in live] == [(5, 4), (20, 4)]
+    assert all(r["follower_us"] > 0 and r["bare_us"] > 0 for r in live), live
+    assert "another daemon following one-object STOREs as they come" in result.stdout
 
 
 def test_bench_small_stores_reports_both_rows(short_tmp: Path) -> None:

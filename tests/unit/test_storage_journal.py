@@ -93,6 +93,30 @@ def test_a_reader_that_reached_the_end_of_a_file_before_the_next_was_started_rea
     assert [r[2] for r in read_all(reader, end_of_first)[0]] == ["w0/late"]
 
 
+def test_a_reader_in_the_newest_file_reads_on_without_listing_the_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every daemon reads after every append: where it reads on in the newest file, two
+    ``stat``s say so and no listing of the directory is made; once a later file exists, it is
+    listed and read."""
+    writer = FileJournal(str(tmp_path / "j"), segment_bytes=1024, keep=100)
+    reader = FileJournal(str(tmp_path / "j"))
+    listings: list[int] = []
+    real_segments = reader._segments
+    monkeypatch.setattr(reader, "_segments", lambda: listings.append(1) or real_segments())
+    writer.append([JournalRecord(STORED, object_id("w0/0"), "w0/0", b"")])
+    first = reader.read(0, 100)  # where to start: listed
+    assert [r[2] for r in first.records] == ["w0/0"] and len(listings) == 1
+    position, names = first.position, []
+    for i in range(1, 60):  # past 1 KiB: a second file starts
+        writer.append([JournalRecord(STORED, object_id(f"w0/{i}"), f"w0/{i}", b"")])
+        read = reader.read(position, 100)
+        position, names = read.position, names + [r[2] for r in read.records]
+    assert names == [f"w0/{i}" for i in range(1, 60)]
+    assert os.path.exists(tmp_path / "j" / "000000000001.log"), "the appends filled a file"
+    assert 1 < len(listings) <= 3, f"{len(listings)} listings: one per read, or none to find the next file"
+
+
 def test_old_files_are_deleted_and_a_reader_behind_them_learns_of_the_gap(tmp_path: Path) -> None:
     journal = FileJournal(str(tmp_path / "j"), segment_bytes=1 << 10, keep=2)
     journal.append([JournalRecord(STORED, object_id("w0/first"), "w0/first", b"t")])
@@ -481,7 +505,11 @@ def test_a_caller_that_may_block_writes_a_lone_store_itself_and_queues_one_soon_
     journal.close()
 
 
-def test_records_queued_while_a_caller_writes_its_own_are_written_after_them(tmp_path: Path) -> None:
+def test_records_queued_while_a_caller_writes_its_own_are_written_after_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The two submits below must share a group however slowly a loaded machine runs them.
+    monkeypatch.setattr(journal_module, "LINGER_S", 1.0)
     directory = str(tmp_path / "j")
     journal = Gated(directory)
     first: list[Future[None]] = []

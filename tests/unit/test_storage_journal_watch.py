@@ -186,6 +186,38 @@ def test_while_records_come_reads_stay_a_poll_apart_and_close_does_not_wait_for_
         closed_quickly(feed)
 
 
+class CountedStop(threading.Event):
+    """A follower's stop event that counts the timed waits made on it."""
+
+    waits = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        return super().wait(timeout)
+
+
+def test_a_lone_append_wakes_the_follower_once(tmp_path: Path) -> None:
+    """A follower that read records waits for the next append before it waits out the rest of
+    its ``poll_s``: appends further apart than that cost one wake-up each, not two."""
+    journal_dir = tmp_path / ".journal"
+    stored(journal_dir, "w0/first")
+    journal = Counted(str(journal_dir))
+    feed = StorageFeed(journal, "", poll_s=0.1)
+    stop = feed._stop = CountedStop()
+    feed.start()
+    try:
+        seen_within(feed, object_id("w0/first"), 5.0)
+        time.sleep(0.3)
+        waits, reads = stop.waits, journal.reads
+        for i in range(3):
+            assert seen_within(feed, stored(journal_dir, f"w0/lone{i}"), 5.0) < 1.0
+            time.sleep(0.3)
+        assert journal.reads - reads == 3, "one read per lone append"
+        assert stop.waits == waits, "no timed wait after reading a lone append"
+    finally:
+        closed_quickly(feed)
+
+
 def closed_quickly(feed: StorageFeed) -> None:
     started = time.monotonic()
     feed.close()
