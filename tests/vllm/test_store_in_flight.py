@@ -103,3 +103,7 @@ def test_a_request_waits_for_a_store_in_flight_at_most_max_stall_s(manager: Cach
     manager.complete_store(ks[2:], ReqContext("writer"), success=False)
     assert [manager.lookup(k, ReqContext("b")) for k in ks] == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
     assert manager.stats["waited_for_stores"] == 2  # requests, not lookups
+    assert manager.prepare_store([OffloadKey(key(5))], ReqContext("writer")) is not None
+    assert manager.lookup(OffloadKey(key(5)), ReqContext("a")) is LookupResult.MISS  # "a" waited its time
+    manager.on_request_finished(ReqContext("a"))  # forgotten: the same id later is another request
+    assert manager.lookup(OffloadKey(key(5)), ReqContext("a")) is LookupResult.HIT_PENDING

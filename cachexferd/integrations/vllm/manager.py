@@ -54,8 +54,6 @@ from .vllm_api import (
 log = logging.getLogger("vllm.cachexferd")  # a child of vLLM's logger: our lines show in its log
 ATTACH_WAIT_S = 2.0  # after a (re)connection, how long lookups and stores wait for the host tier to open
 JOURNAL_BLOCKS_PER_STEP = 20_000  # storage journal changes taken per step (a bound on the step's work)
-STORE_WAITS_KEPT = 1024  # requests remembered as waiting for stores, before those seen long ago are forgotten
-STORE_WAITS_FORGET_S = 60.0
 
 IndexFactory = Callable[[int, bool], OffloadIndex]  # (host_blocks, storage) -> index
 
@@ -85,7 +83,8 @@ class CachexferdManager(OffloadingManager):
         self._built_for: tuple[int, list[int | None], list[int | None]] = (-1, [], [])  # (conn.opened,
         # host generations, weights versions)
         self._failed: set[bytes] = set()  # digests the workers reported failed, until completed
-        self._store_waits: dict[str, float] = {}  # req_id -> its first lookup that found a block being stored
+        # req_id -> its first lookup that found a block being stored (until the request finishes)
+        self._store_waits: dict[str, float] = {}
         self._owner_base = owner
         self._epoch = 0  # indexes built so far: part of the owner token of the current one
         self.prefetch = StoragePrefetch(names, owner=owner, timeout_s=options.max_stall_s, on_place=self.events.know)
@@ -242,9 +241,10 @@ class CachexferdManager(OffloadingManager):
         if since is None:
             since = self._store_waits[req_id] = now
             self.stats["waited_for_stores"] += 1
-        if len(self._store_waits) > STORE_WAITS_KEPT:  # requests that left while waiting
-            self._store_waits = {r: t for r, t in self._store_waits.items() if now - t < STORE_WAITS_FORGET_S}
         return now - since < self.options.max_stall_s
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._store_waits.pop(req_context.req_id, None)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Once per step: notice a lost daemon or a cleared host cache (its blocks are then
@@ -270,7 +270,6 @@ class CachexferdManager(OffloadingManager):
         if index is None:
             # Lost between lookup and load: the worker fails the job and vLLM recomputes.
             return HostLoadSpec(req_context.req_id, keys, [-1] * len(keys), [False] * len(keys))
-        self._store_waits.pop(req_context.req_id, None)  # waited (if it did) and loads now
         placed = prepare_loads(index, self._digests(keys))
         self.stats["loads"] += 1
         return HostLoadSpec(req_context.req_id, keys, placed.host_ids, placed.from_storage, self.owner)

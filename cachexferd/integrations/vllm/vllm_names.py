@@ -182,6 +182,7 @@ MANAGER = [
         for m, sig in [
             ("on_new_request", "@abstractmethod (self, req_context)"),
             ("lookup", "@abstractmethod (self, key, req_context)"),
+            ("on_request_finished", "(self, req_context)"),
             ("on_schedule_end", "(self, context)"),
             ("has_pending_work", "(self)"),
             ("prepare_load", "@abstractmethod (self, keys, req_context)"),
