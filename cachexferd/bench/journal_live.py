@@ -18,6 +18,7 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,7 @@ class _BareFollower:
             self._watch.close()
 
 
-def _until(check: Any, what: str) -> None:
+def _until(check: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + _DRAIN_S
     while not check():
         if time.monotonic() > deadline:
